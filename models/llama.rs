@@ -320,16 +320,24 @@ impl Llama {
         v
     }
 
-    /// Re-encode every linear layer in `format`. Returns how many layers took the
-    /// block-32 fallback (rows not a multiple of the format's block).
+    /// Re-encode every linear layer in `format`, except the output head, which a GGML
+    /// format keeps at Q8_0 (as llama.cpp does: it is the most sensitive matrix, and the
+    /// default GGUF ships it that way). Returns how many layers took the block-32
+    /// fallback (rows not a multiple of the format's block).
     pub fn quantize(&mut self, format: WeightFormat) -> Result<usize> {
         let mut fallbacks = 0;
-        for l in self.linears_mut() {
+        let mut layers = self.linears_mut();
+        let head = layers.pop();
+        for l in layers {
             let (_, k) = l.shape()?;
             if let Some((_, true)) = format.ggml_dtype(k) {
                 fallbacks += 1;
             }
             *l = l.quantize(format)?;
+        }
+        if let Some(head) = head {
+            let head_format = if format == WeightFormat::Dense { format } else { WeightFormat::Q8_0 };
+            *head = head.quantize(head_format)?;
         }
         Ok(fallbacks)
     }

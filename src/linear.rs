@@ -108,7 +108,7 @@ impl std::str::FromStr for WeightFormat {
 pub enum QLinear {
     /// Dense weight `[out, in]` in the run dtype; optional bias `[out]`.
     Dense { w: Tensor, b: Option<Tensor> },
-    /// One of candle's GGML formats (`QMatMul`); computes in f32, returns the input dtype.
+    /// One of candle's GGML formats (`QMatMul`); returns the input dtype.
     Ggml { w: QMatMul, dtype: GgmlDType, shape: (usize, usize), b: Option<Tensor> },
 }
 
@@ -215,10 +215,12 @@ impl Module for QLinear {
                 }
                 x.reshape((m, k))?.matmul(&w.t()?)?.reshape(out_dims)?
             }
-            Self::Ggml { w, .. } => {
-                let dt = x.dtype();
-                w.forward(&x.to_dtype(DType::F32)?.contiguous()?)?.to_dtype(dt)?
-            }
+            // candle's quantized matmuls take f32/f16/bf16 inputs directly (CUDA: the
+            // MMVQ/MMQ paths for every format here; CPU: all three), output in that dtype.
+            Self::Ggml { w, .. } => match x.dtype() {
+                DType::F32 | DType::F16 | DType::BF16 => w.forward(&x.contiguous()?)?,
+                dt => candle_core::bail!("QLinear: unsupported input dtype {dt:?} (f32, f16, bf16)"),
+            },
         };
         match self {
             Self::Dense { b: Some(b), .. } | Self::Ggml { b: Some(b), .. } => y.broadcast_add(b),

@@ -5,7 +5,8 @@ use super::{Heads, StepPositions};
 use crate::kernels::{contiguous_view, launch_err, ptx};
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
-use candle_core::{DType, Layout, Result, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
 /// Keys per chunk and the largest GQA group of `attn_partial` (see its header).
@@ -41,7 +42,7 @@ pub(super) fn embed_gather(
     h: usize,
     vocab: usize,
 ) -> Result<CudaStorage> {
-    fn run<T: CudaDType + DeviceRepr>(
+    fn run<T: CudaDType + DeviceRepr + WithDType>(
         s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, n: usize, h: usize, vocab: usize,
     ) -> Result<CudaStorage> {
         let dev = s1.device();
@@ -67,7 +68,7 @@ pub(super) fn embed_gather(
 }
 
 pub(super) fn silu_mul(s: &CudaStorage, l: &Layout, rows: usize, inter: usize) -> Result<CudaStorage> {
-    fn run<T: CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout, rows: usize, inter: usize) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr + WithDType>(s: &CudaStorage, l: &Layout, rows: usize, inter: usize) -> Result<CudaStorage> {
         let dev = s.device();
         let gu = contiguous_view::<T>(s, l, "gu")?;
         let out = unsafe { dev.alloc::<T>(rows * inter)? };
@@ -97,7 +98,7 @@ pub(super) fn rope_kv_append(
     s2: &CudaStorage,
     l2: &Layout,
 ) -> Result<()> {
-    fn run<T: CudaDType + DeviceRepr>(
+    fn run<T: CudaDType + DeviceRepr + WithDType>(
         heads: Heads, p: &StepPositions, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout,
     ) -> Result<()> {
         let dev = s1.device().clone();
@@ -146,7 +147,7 @@ pub(super) fn decode_attention(
     s2: &CudaStorage,
     l2: &Layout,
 ) -> Result<CudaStorage> {
-    fn run<T: CudaDType + DeviceRepr>(
+    fn run<T: CudaDType + DeviceRepr + WithDType>(
         heads: Heads, p: &StepPositions, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout,
     ) -> Result<CudaStorage> {
         let dev = s1.device();

@@ -1,0 +1,334 @@
+//! Section 2: decode attention (one new token per sequence) over a cache of L tokens.
+//!
+//! - `candle-f16`: stock `candle_transformers` llama's step, op for op: RoPE on q and the
+//!   new k, `Tensor::cat` the new key/value onto the f16 cache, `repeat_kv`, cast to f32,
+//!   `q·kᵀ/√d`, softmax, `·v`, cast back. (The grown cache it returns is dropped, so every
+//!   step sees L.)
+//! - `ours-kv<format>`: our `KvCache` in every `KvFormat::ALL`, as our Llama's decode step
+//!   calls it: `append` (RoPE on k, write k and v at row L) then `attend_decode` (RoPE on
+//!   q, attention over L + 1 rows; the generic `attend` where the fused kernel does not
+//!   take the head geometry).
+//!
+//! Both start from the same keys: ours appends raw keys (rotated on the way in), stock's
+//! cache holds the same keys rotated by candle's `rope`. Ours is checked against the stock
+//! output before it is timed. Bytes counted: the cache that must be read, K and V over
+//! L + 1 tokens in the row's format (f16 for stock). Caches below 256 MiB are rotated
+//! over several copies.
+
+use crate::report::{Row, Status};
+use crate::util::{classify, nbytes, randn, rel_err, rotation, time_batched, Ctx, Timing};
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+use candle_lowbit::ops::{Heads, StepPositions};
+use candle_lowbit::{KvCache, KvFormat};
+
+const MIN_SAMPLE_S: f64 = 2e-3;
+
+/// A head configuration and its name in the row names.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    name: &'static str,
+    h: Heads,
+}
+
+/// Everything a case's rows share.
+struct Case {
+    h: Heads,
+    len: usize,
+    b: usize,
+    /// The new token's fused projection `[b, 1, (nh + 2 nkv) hd]` (q, k, v unrotated).
+    qkv_new: Tensor,
+    /// Stock's inputs for the same token: rotated q `[b, nh, 1, hd]`, rotated k and v
+    /// `[b, nkv, 1, hd]`, and its cache (keys rotated) `[b, nkv, L, hd]`.
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    /// Run-dtype RoPE tables for stock's `rope` at position L, `[1, hd/2]`.
+    cos_l: Tensor,
+    sin_l: Tensor,
+}
+
+pub fn run(ctx: &mut Ctx) -> Result<()> {
+    let shape = |name, nh, nkv, hd| Shape { name, h: Heads { nh, nkv, hd } };
+    let (shapes, lens, batches) = if ctx.quick {
+        (vec![shape("mha", 4, 4, 32), shape("gqa", 4, 2, 32)], vec![64, 200], vec![1, 2])
+    } else {
+        (vec![shape("mha", 32, 32, 128), shape("gqa", 32, 8, 128)], vec![1024, 4096, 16384, 32768], vec![1, 8, 32])
+    };
+    for s in &shapes {
+        for &len in &lens {
+            for &b in &batches {
+                let names: Vec<String> = std::iter::once(name(s.name, len, b, "candle-f16"))
+                    .chain(KvFormat::ALL.iter().map(|f| name(s.name, len, b, &ours_name(*f))))
+                    .collect();
+                let wanted: Vec<String> = names.into_iter().filter(|n| ctx.wants(n)).collect();
+                if wanted.is_empty() {
+                    continue;
+                }
+                if ctx.over_budget() {
+                    wanted.iter().for_each(|n| ctx.skip_budget("attention", n));
+                    continue;
+                }
+                eprintln!("attention: {} L={len} batch={b}", s.name);
+                if let Err(e) = run_case(ctx, s, len, b, &wanted) {
+                    let (status, note) = classify(&e);
+                    let done: Vec<String> = ctx.report.rows.iter().map(|r| r.name.clone()).collect();
+                    for n in wanted.iter().filter(|n| !done.contains(n)) {
+                        ctx.push(Row::new("attention", n).status(status, note.clone()));
+                    }
+                    ctx.check_device()?;
+                }
+            }
+        }
+    }
+    ctx.report.print_group("attention");
+    Ok(())
+}
+
+fn name(shape: &str, len: usize, b: usize, imp: &str) -> String {
+    format!("attention/{shape}/L{len}/b{b}/{imp}")
+}
+
+fn ours_name(f: KvFormat) -> String {
+    format!("ours-kv{}", f.name())
+}
+
+/// Stock candle llama's attention for one decode step (`seq_len == 1`: no mask), from
+/// the unrotated q and k of the new token.
+fn stock_step(c: &Case, kc: &Tensor, vc: &Tensor) -> candle_core::Result<Tensor> {
+    let h = c.h;
+    let q = candle_nn::rotary_emb::rope(&c.q, &c.cos_l, &c.sin_l)?;
+    let k_new = candle_nn::rotary_emb::rope(&c.k_new, &c.cos_l, &c.sin_l)?;
+    let k = Tensor::cat(&[kc, &k_new], 2)?.contiguous()?;
+    let v = Tensor::cat(&[vc, &c.v_new], 2)?.contiguous()?;
+    let k = candle_transformers::utils::repeat_kv(k, h.nh / h.nkv)?;
+    let v = candle_transformers::utils::repeat_kv(v, h.nh / h.nkv)?;
+    let in_dtype = q.dtype();
+    let q = q.to_dtype(DType::F32)?;
+    let k = k.to_dtype(DType::F32)?;
+    let v = v.to_dtype(DType::F32)?;
+    let att = (q.matmul(&k.t()?)? / (h.hd as f64).sqrt())?;
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)
+}
+
+/// f32 RoPE tables `[n_pos, hd/2]` (theta 10000, the HF "rotate half" convention both
+/// candle's `rope` and our kernels use).
+fn rope_tables(n_pos: usize, hd: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+    let freqs: Vec<f32> = (0..hd).step_by(2).map(|i| 1f32 / 10_000f32.powf(i as f32 / hd as f32)).collect();
+    let t = Tensor::arange(0u32, n_pos as u32, dev)?.to_dtype(DType::F32)?.reshape((n_pos, 1))?;
+    let theta = t.matmul(&Tensor::new(freqs.as_slice(), dev)?.reshape((1, hd / 2))?)?;
+    Ok((theta.cos()?, theta.sin()?))
+}
+
+/// Device positions for a step at cache row `pos`.
+fn positions(tables: &(Tensor, Tensor), pos: usize, b: usize, dev: &candle_core::Device) -> Result<StepPositions> {
+    Ok(StepPositions {
+        cos: tables.0.clone(),
+        sin: tables.1.clone(),
+        pos: Tensor::new(&[pos as u32], dev)?,
+        pads: Tensor::zeros(b, DType::U32, dev)?,
+    })
+}
+
+/// Our caches (capacity L + 1, `n` distinct copies) holding the raw keys `k` and values
+/// `v` `[b, nkv, L, hd]`, appended as fused-projection chunks of up to 2048 tokens (the q
+/// part zeros: `append` does not read it).
+fn our_caches(
+    ctx: &Ctx,
+    f: KvFormat,
+    h: Heads,
+    (k, v): (&Tensor, &Tensor),
+    tables: &(Tensor, Tensor),
+    n: usize,
+) -> Result<Vec<KvCache>> {
+    let (b, nkv, l, hd) = k.dims4()?;
+    anyhow::ensure!(nkv == h.nkv && hd == h.hd, "keys {:?} do not match {h:?}", k.shape());
+    let nh = h.nh;
+    let mut caches: Vec<KvCache> = (0..n).map(|_| KvCache::new(f, h, l + 1, ctx.dtype, &ctx.dev)).collect();
+    for s in (0..l).step_by(2048) {
+        let len = 2048.min(l - s);
+        let part = |t: &Tensor| -> candle_core::Result<Tensor> {
+            t.narrow(2, s, len)?.transpose(1, 2)?.reshape((b, len, nkv * hd))
+        };
+        let q_part = Tensor::zeros((b, len, nh * hd), ctx.dtype, &ctx.dev)?;
+        let qkv = Tensor::cat(&[&q_part, &part(k)?, &part(v)?], 2)?.contiguous()?;
+        let p = positions(tables, s, b, &ctx.dev)?;
+        for cache in caches.iter_mut() {
+            cache.append(&qkv, s, &p)?;
+        }
+    }
+    Ok(caches)
+}
+
+/// Our caches of one format, or why they could not be built.
+type OurCaches = Vec<(KvFormat, Result<Vec<KvCache>>)>;
+
+/// The case's inputs (see [`Case`]) and our caches, built before stock's rotated copy of
+/// the keys so that the raw keys can be dropped early (the 32k × 32 case is ~70 GB).
+fn build_case(ctx: &Ctx, h: Heads, len: usize, b: usize, n_ours: usize) -> Result<(Case, OurCaches, StepPositions)> {
+    let (dev, dt) = (ctx.dev.clone(), ctx.dtype);
+    let tables = rope_tables(len + 1, h.hd, &dev)?;
+    let k_raw = randn(&[b, h.nkv, len, h.hd], 1.0, dt, &dev)?;
+    let vc = randn(&[b, h.nkv, len, h.hd], 1.0, dt, &dev)?;
+    let qkv_new = randn(&[b, 1, h.qkv_width()], 1.0, dt, &dev)?;
+    let mut ours = vec![];
+    for f in KvFormat::ALL {
+        ours.push((*f, our_caches(ctx, *f, h, (&k_raw, &vc), &tables, n_ours)));
+    }
+    let cos = tables.0.to_dtype(dt)?;
+    let sin = tables.1.to_dtype(dt)?;
+    let kc = candle_nn::rotary_emb::rope(&k_raw, &cos.narrow(0, 0, len)?, &sin.narrow(0, 0, len)?)?;
+    drop(k_raw);
+    let split = |start: usize, n: usize| -> candle_core::Result<Tensor> {
+        qkv_new.narrow(2, start * h.hd, n * h.hd)?.reshape((b, 1, n, h.hd))?.transpose(1, 2)?.contiguous()
+    };
+    let case = Case {
+        h,
+        len,
+        b,
+        q: split(0, h.nh)?,
+        k_new: split(h.nh, h.nkv)?,
+        v_new: split(h.nh + h.nkv, h.nkv)?,
+        qkv_new: qkv_new.clone(),
+        kc,
+        vc,
+        cos_l: cos.narrow(0, len, 1)?,
+        sin_l: sin.narrow(0, len, 1)?,
+    };
+    let p = positions(&tables, len, b, &dev)?;
+    Ok((case, ours, p))
+}
+
+fn run_case(ctx: &mut Ctx, s: &Shape, len: usize, b: usize, wanted: &[String]) -> Result<()> {
+    let h = s.h;
+    // Our copies: enough to exceed 256 MiB together (f16 estimate of one cache).
+    let one_f16 = 2 * b * h.nkv * (len + 1) * h.hd * ctx.dtype.size_in_bytes();
+    let (case, ours, p) = build_case(ctx, h, len, b, rotation(one_f16, 16))?;
+    let y_ref = stock_step(&case, &case.kc, &case.vc)?.transpose(1, 2)?.reshape((b, 1, h.nh * h.hd))?;
+    // The stock row always runs (every ratio needs it); shown if wanted.
+    let stock_name = name(s.name, len, b, "candle-f16");
+    let stock = run_stock(ctx, &case);
+    let stock_t = stock.as_ref().ok().map(|(t, _)| t.median);
+    if wanted.contains(&stock_name) {
+        let row = match stock {
+            Ok((t, bytes)) => timed_row(ctx, &stock_name, &case, t, bytes, None, stock_t)?,
+            Err(e) => {
+                let (status, note) = classify(&e);
+                base_row(&stock_name, &case).status(status, note)
+            }
+        };
+        ctx.push(row);
+    }
+    for (f, caches) in ours {
+        let n = name(s.name, len, b, &ours_name(f));
+        if !wanted.contains(&n) {
+            continue;
+        }
+        let row = match caches.and_then(|c| run_ours(ctx, &case, c, &p, &y_ref, tolerance(f))) {
+            Ok((Some(t), bytes, err)) => timed_row(ctx, &n, &case, t, bytes, Some(err), stock_t)?,
+            Ok((None, _, err)) => base_row(&n, &case)
+                .num("err", err)
+                .status(Status::Fail, format!("rel err {err:.2e} > {:.0e} vs stock", tolerance(f))),
+            Err(e) => {
+                let (status, note) = classify(&e);
+                base_row(&n, &case).status(status, note)
+            }
+        };
+        let failed = row.status != Status::Ok;
+        ctx.push(row);
+        if failed {
+            ctx.check_device()?;
+        }
+    }
+    Ok(())
+}
+
+fn base_row(name: &str, c: &Case) -> Row {
+    Row::new("attention", name)
+        .text("heads", format!("{}q/{}kv x{}", c.h.nh, c.h.nkv, c.h.hd))
+        .num("L", c.len as f64)
+        .num("batch", c.b as f64)
+}
+
+fn timed_row(
+    ctx: &mut Ctx,
+    name: &str,
+    c: &Case,
+    timing: Timing,
+    bytes: usize,
+    err: Option<f64>,
+    stock_t: Option<f64>,
+) -> Result<Row> {
+    let dev = ctx.dev.clone();
+    let t = timing.median;
+    let ceil = ctx.ceiling.seconds(&dev, ctx.iters, MIN_SAMPLE_S, bytes)?;
+    Ok(base_row(name, c)
+        .num("us", t * 1e6)
+        .num("GB/s", bytes as f64 / t / 1e9)
+        .opt("vs_candle", stock_t.map(|s| s / t))
+        .opt("ceil_us", ceil.map(|x| x * 1e6))
+        .opt("of_ceil", ceil.map(|x| x / t))
+        .opt("err", err)
+        .num("spread%", timing.spread_pct())
+        .num("MB", bytes as f64 / 1e6))
+}
+
+/// Seconds per stock step, and the f16 K+V bytes over L + 1 tokens.
+fn run_stock(ctx: &Ctx, c: &Case) -> Result<(Timing, usize)> {
+    let one = nbytes(&c.kc) + nbytes(&c.vc);
+    let r = rotation(one, 16);
+    let mut kcs = vec![c.kc.clone()];
+    let mut vcs = vec![c.vc.clone()];
+    for _ in 1..r {
+        kcs.push(c.kc.copy()?);
+        vcs.push(c.vc.copy()?);
+    }
+    let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |i| stock_step(c, &kcs[i % r], &vcs[i % r]).map(|_| ()))?;
+    Ok((t, one + nbytes(&c.k_new) + nbytes(&c.v_new)))
+}
+
+/// Dense caches must match stock to f16 rounding; a quantized cache is held to a sanity
+/// bound only (its accuracy is measured by perplexity, not here).
+fn tolerance(f: KvFormat) -> f64 {
+    match f {
+        KvFormat::Dense => 1e-2,
+        #[allow(unreachable_patterns)]
+        _ => 0.25,
+    }
+}
+
+/// Our decode step on one cache: append the new token at row L, attend over L + 1.
+fn our_step(c: &Case, cache: &mut KvCache, p: &StepPositions) -> candle_core::Result<Tensor> {
+    cache.append(&c.qkv_new, c.len, p)?;
+    if c.h.fused_ok() {
+        return cache.attend_decode(&c.qkv_new, p);
+    }
+    let (h, b) = (c.h, c.b);
+    let q = candle_nn::rotary_emb::rope(&c.q, &c.cos_l, &c.sin_l)?;
+    let y = cache.attend(&q, c.len + 1, None)?;
+    y.transpose(1, 2)?.reshape((b, 1, h.nh * h.hd))
+}
+
+/// `(seconds per step or None if the check failed, bytes read, rel err vs stock)`.
+fn run_ours(
+    ctx: &Ctx,
+    c: &Case,
+    mut caches: Vec<KvCache>,
+    p: &StepPositions,
+    y_ref: &Tensor,
+    tol: f64,
+) -> Result<(Option<Timing>, usize, f64)> {
+    let r = caches.len();
+    anyhow::ensure!(r > 0, "no caches");
+    let y = our_step(c, &mut caches[r - 1], p)?;
+    let err = rel_err(&y, y_ref)?;
+    let bytes = caches[0].bytes();
+    if err.is_nan() || err > tol {
+        return Ok((None, bytes, err));
+    }
+    let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |i| our_step(c, &mut caches[i % r], p).map(|_| ()))?;
+    Ok((Some(t), bytes, err))
+}

@@ -1,0 +1,370 @@
+//! The models of the end-to-end sections: shapes, random weights (no download), and one
+//! interface over stock candle llama, our Llama, and stock candle quantized_llama.
+
+use crate::quant::{ggml_linear, Prototypes};
+use anyhow::{Context, Result};
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use candle_lowbit::graph::{GraphDecoder, Mode};
+use candle_lowbit::{Cache, Config, KvFormat, Llama, WeightFormat};
+use candle_nn::VarBuilder;
+use candle_transformers::models::{llama as stock_llama, quantized_llama};
+use std::collections::HashMap;
+
+/// Llama-2-7B's shape (32 layers, 4096 wide, 32 heads of 128, MLP 11008, vocab 32000),
+/// with room for `max_pos` positions.
+pub fn llama2_7b(max_pos: usize) -> Config {
+    Config {
+        hidden_size: 4096,
+        intermediate_size: 11008,
+        vocab_size: 32000,
+        num_attention_heads: 32,
+        num_key_value_heads: 32,
+        ..tiny(32, max_pos)
+    }
+}
+
+/// Tiny widths (hidden 256, 4 heads of 64, MLP 512, vocab 1024): GPU work negligible,
+/// and candle's k-quants still apply (rows of 256 and 512).
+pub fn tiny(layers: usize, max_pos: usize) -> Config {
+    Config {
+        hidden_size: 256,
+        intermediate_size: 512,
+        vocab_size: 1024,
+        num_hidden_layers: layers,
+        num_attention_heads: 4,
+        num_key_value_heads: 4,
+        use_flash_attn: false,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: None,
+        max_position_embeddings: max_pos,
+        tie_word_embeddings: false,
+    }
+}
+
+/// One configuration of the end-to-end table.
+#[derive(Debug, Clone, Copy)]
+pub enum Spec {
+    /// Stock `candle_transformers::models::llama`, f16 weights and cache.
+    Stock,
+    /// Our Llama: weight format × KV format.
+    Ours(WeightFormat, KvFormat),
+    /// Stock `candle_transformers::models::quantized_llama` on a Q4K GGUF.
+    QLlamaQ4K,
+}
+
+impl Spec {
+    /// Stock first (every ratio needs it), then ours (the registries), then the peer.
+    pub fn all() -> Vec<Self> {
+        let mut v = vec![Self::Stock];
+        for w in WeightFormat::ALL {
+            v.extend(KvFormat::ALL.iter().map(|k| Self::Ours(*w, *k)));
+        }
+        v.push(Self::QLlamaQ4K);
+        v
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Self::Stock => "candle-f16".into(),
+            Self::Ours(w, k) => format!("ours-{}-kv{}", w.name(), k.name()),
+            Self::QLlamaQ4K => "candle-qllama-q4k".into(),
+        }
+    }
+}
+
+/// Random weights for `cfg` under HF Llama names, drawn in a fixed order from a seeded
+/// generator (the same weights for stock and ours), cast to `dtype`.
+pub fn random_weights(cfg: &Config, dtype: DType, dev: &Device, seed: u64) -> Result<HashMap<String, Tensor>> {
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let hd = h / cfg.num_attention_heads;
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let mut specs: Vec<(String, Vec<usize>, f64, f64)> = vec![
+        ("model.embed_tokens.weight".into(), vec![v, h], 1.0, 0.0),
+        ("lm_head.weight".into(), vec![v, h], 1.0 / (h as f64).sqrt(), 0.0),
+        ("model.norm.weight".into(), vec![h], 0.1, 1.0),
+    ];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        for (n, rows, cols) in [
+            ("self_attn.q_proj", q, h),
+            ("self_attn.k_proj", kv, h),
+            ("self_attn.v_proj", kv, h),
+            ("self_attn.o_proj", h, q),
+            ("mlp.gate_proj", i, h),
+            ("mlp.up_proj", i, h),
+            ("mlp.down_proj", h, i),
+        ] {
+            specs.push((format!("{p}.{n}.weight"), vec![rows, cols], 1.0 / (cols as f64).sqrt(), 0.0));
+        }
+        specs.push((format!("{p}.input_layernorm.weight"), vec![h], 0.1, 1.0));
+        specs.push((format!("{p}.post_attention_layernorm.weight"), vec![h], 0.1, 1.0));
+    }
+    let mut rng = CpuRng(seed | 1);
+    if dev.is_cuda() {
+        dev.set_seed(seed)?;
+    }
+    let mut m = HashMap::new();
+    for (name, shape, std, offset) in specs {
+        let t = if dev.is_cuda() {
+            crate::util::randn(&shape, std, DType::F32, dev)?
+        } else {
+            rng.randn(&shape, std, dev)?
+        };
+        m.insert(name, (t + offset)?.to_dtype(dtype)?);
+    }
+    Ok(m)
+}
+
+/// A seeded normal generator for the CPU (candle's CPU `randn` cannot be seeded).
+struct CpuRng(u64);
+
+impl CpuRng {
+    fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn randn(&mut self, shape: &[usize], std: f64, dev: &Device) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                let (u1, u2) = (self.uniform(), self.uniform());
+                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * std) as f32
+            })
+            .collect();
+        Ok(Tensor::from_vec(v, shape, dev)?)
+    }
+}
+
+/// A loaded model and its per-sequence state.
+pub enum Engine {
+    Stock {
+        model: Box<stock_llama::Llama>,
+        cache: Option<Box<stock_llama::Cache>>,
+        cfg: Config,
+        dtype: DType,
+        dev: Device,
+    },
+    Ours {
+        model: Box<Llama>,
+        cache: Option<Box<Cache>>,
+        /// The decode steps (CUDA graph replay where possible), per batch; rebuilt with the cache.
+        decoder: Option<GraphDecoder>,
+        kv: KvFormat,
+        cfg: Config,
+        dtype: DType,
+        dev: Device,
+    },
+    QLlama {
+        model: Box<quantized_llama::ModelWeights>,
+        dev: Device,
+    },
+}
+
+impl Engine {
+    /// Build `spec` for `cfg` with random weights (seed `seed`) on `dev`.
+    pub fn build(
+        spec: Spec,
+        cfg: &Config,
+        dtype: DType,
+        dev: &Device,
+        protos: &mut Prototypes,
+        seed: u64,
+    ) -> Result<Self> {
+        Ok(match spec {
+            Spec::Stock => {
+                let vb = VarBuilder::from_tensors(random_weights(cfg, dtype, dev, seed)?, dtype, dev);
+                let model = Box::new(stock_llama::Llama::load(vb, cfg)?);
+                Self::Stock { model, cache: None, cfg: cfg.clone(), dtype, dev: dev.clone() }
+            }
+            Spec::Ours(w, kv) => {
+                let vb = VarBuilder::from_tensors(random_weights(cfg, dtype, dev, seed)?, dtype, dev);
+                let mut model = Box::new(Llama::load(vb, cfg)?);
+                quantize_ours(&mut model, w, dev, protos)?;
+                Self::Ours { model, cache: None, decoder: None, kv, cfg: cfg.clone(), dtype, dev: dev.clone() }
+            }
+            Spec::QLlamaQ4K => Self::QLlama { model: Box::new(qllama_q4k(cfg, dev, protos)?), dev: dev.clone() },
+        })
+    }
+
+    /// Positions the model can hold (quantized_llama's RoPE table stops at 4096).
+    pub fn max_positions(&self) -> usize {
+        match self {
+            Self::Stock { cfg, .. } => cfg.max_position_embeddings,
+            Self::Ours { .. } => usize::MAX,
+            Self::QLlama { .. } => quantized_llama::MAX_SEQ_LEN,
+        }
+    }
+
+    /// Bytes of weights, where the model says (ours only).
+    pub fn weight_bytes(&self) -> Option<usize> {
+        match self {
+            Self::Ours { model, .. } => model.weight_bytes().ok(),
+            _ => None,
+        }
+    }
+
+    /// Start a new batch of sequences that will hold up to `max_len` positions.
+    pub fn reset(&mut self, max_len: usize) -> Result<()> {
+        anyhow::ensure!(
+            max_len <= self.max_positions(),
+            "{max_len} positions exceed the model's {}",
+            self.max_positions()
+        );
+        match self {
+            Self::Stock { cache, cfg, dtype, dev, .. } => {
+                *cache = None;
+                *cache = Some(Box::new(stock_llama::Cache::new(true, *dtype, cfg, dev)?));
+            }
+            Self::Ours { cache, decoder, kv, cfg, dtype, dev, .. } => {
+                // A captured graph points at the old cache's storage: drop it with the cache.
+                *decoder = None;
+                *cache = None;
+                *cache = Some(Box::new(Cache::with_capacity(max_len, *kv, *dtype, cfg, dev)?));
+            }
+            Self::QLlama { model, .. } => model.clear_kv_cache(),
+        }
+        Ok(())
+    }
+
+    /// Logits `[b, vocab]` (f32) of the last position of `ids` `[b, seq]` at `pos`.
+    pub fn forward(&mut self, ids: &Tensor, pos: usize) -> Result<Tensor> {
+        Ok(match self {
+            Self::Stock { model, cache: Some(c), .. } => model.forward(ids, pos, c)?,
+            Self::Ours { model, cache: Some(c), .. } => model.forward(ids, pos, c)?,
+            Self::QLlama { model, .. } => model.forward(ids, pos)?.to_dtype(DType::F32)?,
+            _ => anyhow::bail!("forward before reset"),
+        })
+    }
+
+    /// One decode step as a generation loop runs it: `tokens[i]` of sequence `i` at `pos`
+    /// (after a prefill of `pos` tokens). Stock models: `forward` of `[b, 1]`. Ours: the
+    /// graph decoder (`candle_lowbit::graph`), which replays a CUDA graph where it can.
+    pub fn step(&mut self, tokens: &[u32], pos: usize) -> Result<Tensor> {
+        match self {
+            Self::Ours { model, cache: Some(c), decoder, dev, .. } => {
+                if decoder.is_none() {
+                    *decoder = Some(GraphDecoder::new(model, tokens.len(), dev)?);
+                }
+                let Some(d) = decoder.as_mut() else { anyhow::bail!("no decoder") };
+                Ok(d.step(model, c, tokens, pos)?)
+            }
+            _ => {
+                let ids = Tensor::from_vec(tokens.to_vec(), (tokens.len(), 1), &self.device())?;
+                self.forward(&ids, pos)
+            }
+        }
+    }
+
+    /// Prompt chunk for batch `b`: stock quantized_llama cannot prefill more than one
+    /// token at batch > 1 (its last-position slice is not contiguous and QMatMul needs it
+    /// to be), so it prefills those prompts a token at a time (untimed).
+    pub fn prefill_chunk(&self, b: usize, chunk: usize) -> usize {
+        match self {
+            Self::QLlama { .. } if b > 1 => 1,
+            _ => chunk,
+        }
+    }
+
+    /// How decode steps run: `graph`, `eager` (with the reason), or `candle` (stock).
+    pub fn mode(&self) -> String {
+        match self {
+            Self::Ours { decoder: Some(d), .. } => match d.mode() {
+                Mode::Graph => "graph".into(),
+                Mode::Pending => "pending".into(),
+                Mode::Eager(why) => format!("eager ({why})"),
+            },
+            Self::Ours { .. } => "eager".into(),
+            _ => "candle".into(),
+        }
+    }
+
+    fn device(&self) -> Device {
+        match self {
+            Self::Stock { dev, .. } | Self::Ours { dev, .. } | Self::QLlama { dev, .. } => dev.clone(),
+        }
+    }
+}
+
+/// Re-encode our model's linear layers in `w`. candle's GGML formats come from per-shape
+/// prototypes (see `quant`): every layer holds its own device copy of the same values,
+/// so bytes, memory and bandwidth are a real model's; the values are not (fine for
+/// speed). Formats of ours use the model's own quantizer.
+fn quantize_ours(model: &mut Llama, w: WeightFormat, dev: &Device, protos: &mut Prototypes) -> Result<()> {
+    if w == WeightFormat::Dense {
+        return Ok(());
+    }
+    let (_, k0) = model.linears().first().map(|l| l.shape()).transpose()?.unwrap_or((0, 0));
+    if w.ggml_dtype(k0).is_none() {
+        model.quantize(w)?;
+        return Ok(());
+    }
+    for l in model.linears_mut() {
+        let (n, k) = l.shape()?;
+        let Some((dt, _)) = w.ggml_dtype(k) else { anyhow::bail!("{w} has no GGML dtype for rows of {k}") };
+        let bytes = protos.bytes(n, k, dt, dev)?;
+        *l = ggml_linear(&bytes, n, k, dt, dev)?;
+    }
+    Ok(())
+}
+
+/// quantized_llama over a Q4K GGUF written (in memory) from per-shape prototypes, with
+/// llama.cpp's names and metadata. llama.cpp's converter permutes Q and K rows for its
+/// interleaved RoPE; random weights need no permutation (speed only, not values).
+fn qllama_q4k(cfg: &Config, dev: &Device, protos: &mut Prototypes) -> Result<quantized_llama::ModelWeights> {
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let hd = h / cfg.num_attention_heads;
+    let kv = cfg.num_key_value_heads * hd;
+    let q4k = GgmlDType::Q4K;
+    let emb = protos.cpu_qtensor(v, h, q4k, dev)?;
+    let w_q = protos.cpu_qtensor(h, h, q4k, dev)?;
+    let w_kv = protos.cpu_qtensor(kv, h, q4k, dev)?;
+    let w_up = protos.cpu_qtensor(i, h, q4k, dev)?;
+    let w_down = protos.cpu_qtensor(h, i, q4k, dev)?;
+    let norm = QTensor::quantize(&Tensor::ones(h, DType::F32, &Device::Cpu)?, GgmlDType::F32)?;
+    let mut names: Vec<(String, &QTensor)> =
+        vec![("token_embd.weight".into(), &emb), ("output_norm.weight".into(), &norm), ("output.weight".into(), &emb)];
+    for l in 0..cfg.num_hidden_layers {
+        for (n, t) in [
+            ("attn_q", &w_q),
+            ("attn_k", &w_kv),
+            ("attn_v", &w_kv),
+            ("attn_output", &w_q),
+            ("ffn_gate", &w_up),
+            ("ffn_up", &w_up),
+            ("ffn_down", &w_down),
+            ("attn_norm", &norm),
+            ("ffn_norm", &norm),
+        ] {
+            names.push((format!("blk.{l}.{n}.weight"), t));
+        }
+    }
+    use gguf_file::Value;
+    let u = |x: usize| Value::U32(x as u32);
+    let md: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.attention.head_count", u(cfg.num_attention_heads)),
+        ("llama.attention.head_count_kv", u(cfg.num_key_value_heads)),
+        ("llama.block_count", u(cfg.num_hidden_layers)),
+        ("llama.embedding_length", u(h)),
+        ("llama.feed_forward_length", u(i)),
+        ("llama.context_length", u(quantized_llama::MAX_SEQ_LEN)),
+        ("llama.rope.dimension_count", u(hd)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(cfg.rms_norm_eps as f32)),
+        ("llama.rope.freq_base", Value::F32(cfg.rope_theta)),
+    ];
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = names.iter().map(|(k, t)| (k.as_str(), *t)).collect();
+    let mut buf = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut buf, &md_refs, &t_refs).context("writing the Q4K GGUF")?;
+    eprintln!("  wrote a {:.2} GB Q4K GGUF in memory", buf.get_ref().len() as f64 / 1e9);
+    buf.set_position(0);
+    let content = gguf_file::Content::read(&mut buf).context("reading back the GGUF")?;
+    Ok(quantized_llama::ModelWeights::from_gguf(content, &mut buf, dev)?)
+}
