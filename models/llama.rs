@@ -43,6 +43,36 @@ fn inv_freqs(cfg: &Config, head_dim: usize) -> Vec<f32> {
         .collect()
 }
 
+/// Every tensor a HF Llama checkpoint holds for `cfg` (name, shape), in load order:
+/// the layout `Llama::load` reads. Tests and benches build random models from it.
+pub fn tensor_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let hd = h / cfg.num_attention_heads.max(1);
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        for (n, shape) in [
+            ("input_layernorm", vec![h]),
+            ("self_attn.q_proj", vec![q, h]),
+            ("self_attn.k_proj", vec![kv, h]),
+            ("self_attn.v_proj", vec![kv, h]),
+            ("self_attn.o_proj", vec![h, q]),
+            ("post_attention_layernorm", vec![h]),
+            ("mlp.gate_proj", vec![i, h]),
+            ("mlp.up_proj", vec![i, h]),
+            ("mlp.down_proj", vec![h, i]),
+        ] {
+            out.push((format!("{p}.{n}.weight"), shape));
+        }
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![v, h]));
+    }
+    out
+}
+
 /// Per-model state across calls: the KV caches, RoPE tables and the left padding.
 #[derive(Debug, Clone)]
 pub struct Cache {

@@ -79,20 +79,9 @@ fn real_model_top1_matches_quantized_llama_gpu() -> Result<()> {
     let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };
     let ours = loaded.model.forward_all(&ids(&tokens)?, 0, &mut cache)?.i(0)?;
     let (worst, mismatches) = std::thread::scope(|s| {
-        s.spawn(|| -> Result<(f32, Vec<(usize, u32, u32)>)> {
+        s.spawn(|| {
             std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-            let mut stock = candle_lowbit::loader::StockModel::load(&src, DType::F32, &dev)?;
-            let (mut worst, mut mismatches) = (0f32, vec![]);
-            for (pos, &t) in tokens.iter().enumerate() {
-                let theirs = stock.forward(&ids(&[t])?, pos)?.i(0)?;
-                let mine = ours.i(pos)?;
-                worst = worst.max(max_abs_diff(&mine, &theirs)?.0);
-                let (a, b) = (mine.argmax(0)?.to_scalar::<u32>()?, theirs.argmax(0)?.to_scalar::<u32>()?);
-                if a != b {
-                    mismatches.push((pos, a, b));
-                }
-            }
-            Ok((worst, mismatches))
+            common::compare_with_quantized_llama(&src, &tokens, &ours, &dev)
         })
         .join()
         .map_err(|_| anyhow::anyhow!("comparison thread panicked"))?

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_lowbit::{Cache, KvFormat, Llama};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama as stock;
-use common::{assert_close, max_abs_diff, random_weights, tiny_config};
+use common::{assert_close, random_weights, tiny_config};
 
 fn models(layers: usize) -> Result<(Llama, stock::Llama, candle_lowbit::Config)> {
     let dev = Device::Cpu;
@@ -102,27 +102,6 @@ fn clear_errors_on_bad_calls() -> Result<()> {
     Ok(())
 }
 
-/// Compare `ours` (logits `[seq, vocab]` of `tokens`) with stock `quantized_llama` fed one
-/// token at a time. Returns (largest |logit diff|, positions whose top-1 differs).
-fn compare_with_quantized_llama(
-    src: &candle_lowbit::model_files::ModelSource,
-    tokens: &[u32],
-    ours: &Tensor,
-) -> Result<(f32, Vec<(usize, u32, u32)>)> {
-    let mut stock = candle_lowbit::loader::StockModel::load(src, DType::F32, &Device::Cpu)?;
-    let (mut worst, mut mismatches) = (0f32, vec![]);
-    for (pos, &t) in tokens.iter().enumerate() {
-        let theirs = stock.forward(&ids(&[t])?, pos)?.i(0)?;
-        let mine = ours.i(pos)?;
-        worst = worst.max(max_abs_diff(&mine, &theirs)?.0);
-        let (a, b) = (mine.argmax(0)?.to_scalar::<u32>()?, theirs.argmax(0)?.to_scalar::<u32>()?);
-        if a != b {
-            mismatches.push((pos, a, b));
-        }
-    }
-    Ok((worst, mismatches))
-}
-
 /// The real default model: the same top-1 token as stock `quantized_llama` at every
 /// position of a ≥64-token prompt. Stock returns only the last position, so it is fed one
 /// token at a time. Two stock runs: with its weights dequantized to f32
@@ -140,7 +119,7 @@ fn real_model_top1_matches_quantized_llama() -> Result<()> {
     let mut cache = Cache::with_capacity(256, KvFormat::Dense, DType::F32, &loaded.config, &dev)?;
     let ours = loaded.model.forward_all(&ids(&tokens)?, 0, &mut cache)?.i(0)?;
 
-    let (worst_q, mism_q) = compare_with_quantized_llama(&src, &tokens, &ours)?;
+    let (worst_q, mism_q) = common::compare_with_quantized_llama(&src, &tokens, &ours, &Device::Cpu)?;
     println!(
         "real model vs quantized_llama (quantized path): {} positions, largest |logit diff| {worst_q:.4}, top-1 differs at {mism_q:?}",
         tokens.len()
@@ -149,7 +128,7 @@ fn real_model_top1_matches_quantized_llama() -> Result<()> {
     let (worst, mism) = std::thread::scope(|s| {
         s.spawn(|| {
             std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-            compare_with_quantized_llama(&src, &tokens, &ours)
+            common::compare_with_quantized_llama(&src, &tokens, &ours, &Device::Cpu)
         })
         .join()
         .map_err(|_| anyhow::anyhow!("comparison thread panicked"))?

@@ -79,29 +79,15 @@ impl Spec {
 /// Random weights for `cfg` under HF Llama names, drawn in a fixed order from a seeded
 /// generator (the same weights for stock and ours), cast to `dtype`.
 pub fn random_weights(cfg: &Config, dtype: DType, dev: &Device, seed: u64) -> Result<HashMap<String, Tensor>> {
-    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let hd = h / cfg.num_attention_heads;
-    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
-    let mut specs: Vec<(String, Vec<usize>, f64, f64)> = vec![
-        ("model.embed_tokens.weight".into(), vec![v, h], 1.0, 0.0),
-        ("lm_head.weight".into(), vec![v, h], 1.0 / (h as f64).sqrt(), 0.0),
-        ("model.norm.weight".into(), vec![h], 0.1, 1.0),
-    ];
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        for (n, rows, cols) in [
-            ("self_attn.q_proj", q, h),
-            ("self_attn.k_proj", kv, h),
-            ("self_attn.v_proj", kv, h),
-            ("self_attn.o_proj", h, q),
-            ("mlp.gate_proj", i, h),
-            ("mlp.up_proj", i, h),
-            ("mlp.down_proj", h, i),
-        ] {
-            specs.push((format!("{p}.{n}.weight"), vec![rows, cols], 1.0 / (cols as f64).sqrt(), 0.0));
-        }
-        specs.push((format!("{p}.input_layernorm.weight"), vec![h], 0.1, 1.0));
-        specs.push((format!("{p}.post_attention_layernorm.weight"), vec![h], 0.1, 1.0));
+    let mut specs: Vec<(String, Vec<usize>, f64, f64)> = vec![];
+    for (name, shape) in candle_lowbit::llama::tensor_shapes(cfg) {
+        let (std, offset) = match shape.as_slice() {
+            [_] => (0.1, 1.0),
+            _ if name.contains("embed_tokens") => (1.0, 0.0),
+            [_, cols] => (1.0 / (*cols as f64).sqrt(), 0.0),
+            _ => anyhow::bail!("unexpected shape {shape:?} for {name}"),
+        };
+        specs.push((name, shape, std, offset));
     }
     let mut rng = CpuRng(seed | 1);
     if dev.is_cuda() {

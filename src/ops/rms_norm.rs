@@ -131,7 +131,6 @@ impl CustomOp3 for AddRmsNorm {
         use half::{bf16, f16};
 
         let (rows, h) = check_layouts(l1, l2, l3)?;
-        let dev = s1.device();
         fn launch<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
             name: &str,
             eps: f32,
@@ -148,10 +147,11 @@ impl CustomOp3 for AddRmsNorm {
             let (rows_i, h_i) = (rows as i32, h as i32);
             let mut b = func.builder();
             b.arg(&x).arg(&res).arg(&w).arg(&out).arg(&rows_i).arg(&h_i).arg(&eps);
-            unsafe { b.launch(cfg) }.map_err(launch_err)?;
+            if rows > 0 {
+                unsafe { b.launch(cfg) }.map_err(launch_err)?;
+            }
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
-        let _ = dev;
         let args = (s1, l1, s2, l2, s3, l3);
         let out = match s1.dtype() {
             DType::F32 => launch::<f32>("add_rms_norm_f32", self.eps, (rows, h), args)?,

@@ -73,37 +73,19 @@ pub fn tiny_config(layers: usize) -> candle_lowbit::Config {
     }
 }
 
-/// Random weights for `cfg` under HF Llama names.
+/// Random weights for `cfg` under HF Llama names: norms around 1, the embedding at unit
+/// scale, matrices at 1/sqrt(in).
 pub fn random_weights(cfg: &candle_lowbit::Config, seed: u64, dev: &Device) -> Result<HashMap<String, Tensor>> {
-    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let hd = h / cfg.num_attention_heads;
-    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
     let mut m = HashMap::new();
-    let mut s = seed;
-    let mut put = |name: String, shape: &[usize], std: f32, offset: f32| -> Result<()> {
-        s += 1;
-        let t = (randn(s, shape, std, DType::F32, dev)? + offset as f64)?;
+    for (i, (name, shape)) in candle_lowbit::llama::tensor_shapes(cfg).into_iter().enumerate() {
+        let (std, offset) = match shape.as_slice() {
+            [_] => (0.1, 1.0),
+            _ if name.contains("embed_tokens") => (1.0, 0.0),
+            [_, cols] => (1.0 / (*cols as f32).sqrt(), 0.0),
+            _ => anyhow::bail!("unexpected shape {shape:?} for {name}"),
+        };
+        let t = (randn(seed + i as u64, &shape, std, DType::F32, dev)? + offset)?;
         m.insert(name, t);
-        Ok(())
-    };
-    put("model.embed_tokens.weight".into(), &[v, h], 1.0, 0.0)?;
-    put("lm_head.weight".into(), &[v, h], 0.1, 0.0)?;
-    put("model.norm.weight".into(), &[h], 0.1, 1.0)?;
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        for (n, rows, cols) in [
-            ("self_attn.q_proj", q, h),
-            ("self_attn.k_proj", kv, h),
-            ("self_attn.v_proj", kv, h),
-            ("self_attn.o_proj", h, q),
-            ("mlp.gate_proj", i, h),
-            ("mlp.up_proj", i, h),
-            ("mlp.down_proj", h, i),
-        ] {
-            put(format!("{p}.{n}.weight"), &[rows, cols], 1.0 / (cols as f32).sqrt(), 0.0)?;
-        }
-        put(format!("{p}.input_layernorm.weight"), &[h], 0.1, 1.0)?;
-        put(format!("{p}.post_attention_layernorm.weight"), &[h], 0.1, 1.0)?;
     }
     Ok(m)
 }
@@ -118,6 +100,30 @@ pub fn default_model() -> Option<std::path::PathBuf> {
             None
         }
     }
+}
+
+/// Compare `ours` (f32-comparable logits `[seq, vocab]` of `tokens`) with stock
+/// `quantized_llama` on `dev`, fed one token at a time (it returns only the last position).
+/// Returns (largest |logit diff|, positions whose top-1 differs as (pos, ours, stock)).
+pub fn compare_with_quantized_llama(
+    src: &candle_lowbit::model_files::ModelSource,
+    tokens: &[u32],
+    ours: &Tensor,
+    dev: &Device,
+) -> Result<(f32, Vec<(usize, u32, u32)>)> {
+    use candle_core::IndexOp;
+    let mut stock = candle_lowbit::loader::StockModel::load(src, DType::F32, dev)?;
+    let (mut worst, mut mismatches) = (0f32, vec![]);
+    for (pos, &t) in tokens.iter().enumerate() {
+        let theirs = stock.forward(&Tensor::new(&[t], dev)?.unsqueeze(0)?, pos)?.i(0)?;
+        let mine = ours.i(pos)?;
+        worst = worst.max(max_abs_diff(&mine, &theirs)?.0);
+        let (a, b) = (mine.argmax(0)?.to_scalar::<u32>()?, theirs.argmax(0)?.to_scalar::<u32>()?);
+        if a != b {
+            mismatches.push((pos, a, b));
+        }
+    }
+    Ok((worst, mismatches))
 }
 
 /// A prompt of real text (≥ 64 tokens for the SmolLM2 tokenizer).
