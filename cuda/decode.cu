@@ -10,6 +10,7 @@
 //                  k_cache, v_cache [b, nkv, max_len, hd] T: row (pos + i) written in place
 //                  The RoPE position of token i of sequence s is pos + i - pads[s] (0 if < 0).
 //   silu_mul:      gu [rows, 2*I] T (gate then up) -> out [rows, I] T = silu(gate) * up
+// Every kernel here is launched with programmatic dependent launch (pdl_wait, common.cuh).
 #include "common.cuh"
 
 using namespace lowbit;
@@ -17,6 +18,8 @@ using namespace lowbit;
 template <typename T>
 __device__ void embed_gather(const T* __restrict__ table, const uint32_t* __restrict__ ids,
                              T* __restrict__ out, int n, int h, int vocab) {
+    pdl_trigger();
+    pdl_wait();  // every input may come from the previous kernel
     const int row = blockIdx.x;
     if (row >= n) return;
     uint32_t id = ids[row];
@@ -32,6 +35,8 @@ __device__ void rope_kv(const T* __restrict__ qkv, const float* __restrict__ cos
                         const float* __restrict__ sin, const uint32_t* __restrict__ pos_p,
                         const uint32_t* __restrict__ pads, T* __restrict__ k_cache,
                         T* __restrict__ v_cache, int seq, int nh, int nkv, int hd, int max_len) {
+    pdl_trigger();
+    pdl_wait();  // every input may come from the previous kernel
     const int i = blockIdx.x, s = blockIdx.y, kh = blockIdx.z, j = threadIdx.x;
     const int half = hd / 2;
     if (j >= half) return;
@@ -52,6 +57,8 @@ __device__ void rope_kv(const T* __restrict__ qkv, const float* __restrict__ cos
 
 template <typename T>
 __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int rows, int inter) {
+    pdl_trigger();
+    pdl_wait();  // every input may come from the previous kernel
     const size_t n = (size_t)rows * inter;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
@@ -85,5 +92,7 @@ DECODE_KERNELS(bf16, __nv_bfloat16)
 
 // pos [1] u32 += by (the last launch of a captured decode step).
 extern "C" __global__ void advance_pos(uint32_t* pos, uint32_t by) {
+    pdl_trigger();
+    pdl_wait();  // every input may come from the previous kernel
     if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += by;
 }

@@ -1,6 +1,8 @@
 // Decode attention (one query token per sequence) over a dense KV cache, split along the
-// keys ("flash-decoding"), grouped-query aware: one block reads a KV head's chunk once for
-// all the query heads that share it.
+// keys ("flash-decoding"), grouped-query aware: one block reads a KV head's chunk of keys
+// once for all the query heads that share it. One launch: the last block of a KV head to
+// finish merges the chunks' partial results (a counter per (sequence, KV head), reset by
+// that block, so a captured graph replays it).
 //
 // Layouts (row-major, contiguous; T in {f32, f16, bf16}):
 //   qkv      [b, (nh + 2*nkv) * hd] T  fused projection of the new token; its q heads are
@@ -10,37 +12,73 @@
 //   v_cache  [b, nkv, max_len, hd] T
 //   pads     [b] u32                  keys j < pads[s] are left padding (masked), except j = pos
 //   part_o   [b, nh, n_split, hd] f32 scratch: unnormalised partial outputs per key chunk
-//   part_ml  [b, nh, n_split, 2] f32  scratch: (running max, sum of exp) per chunk
+//   part_ml  [b, nh, n_split, 2] f32  scratch: (max score, sum of exp) per chunk
+//   counters [b, nkv] u32             zero between launches (the merging block resets it)
 //   out      [b, nh, hd] T
-// Chunks are ATTN_CHUNK keys; n_split = ceil(max_len / ATTN_CHUNK) is fixed by the cache
-// capacity and chunks past pos exit at once, so the launch shape does not depend on pos.
-// Limits (checked on the host): hd <= 128 and divides 128; nh / nkv <= ATTN_MAX_G.
+// Chunks are `chunk` keys (a host choice from the cache capacity); n_split =
+// ceil(max_len / chunk) is fixed by the capacity and chunks past pos exit at once, so the
+// launch shape does not depend on pos.
+//
+// Work split in a block (ATTN_THREADS threads): K and V rows are read as 16-byte vectors,
+// LPK = hd / VEC lanes per row (VEC = 16 / sizeof(T)), ATTN_THREADS / LPK rows at a time,
+// ATTN_UNROLL batches of loads issued before any is used.
+// Limits (checked on the host): hd divides 128 and hd >= VEC; nh / nkv <= ATTN_MAX_G;
+// chunk <= 256. Launched with programmatic dependent launch (pdl_wait, common.cuh).
 #include "common.cuh"
 
 using namespace lowbit;
 
-#define ATTN_CHUNK 256
 #define ATTN_MAX_G 8
 #define ATTN_THREADS 128
+#define ATTN_UNROLL 4
 
-// grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem (g*hd + g*ATTN_CHUNK) floats.
+// v[e] of a 16-byte vector of T, as f32.
+template <typename T> __device__ __forceinline__ void unpack16(uint4 v, float* out);
+template <> __device__ __forceinline__ void unpack16<float>(uint4 v, float* out) {
+    out[0] = __uint_as_float(v.x); out[1] = __uint_as_float(v.y);
+    out[2] = __uint_as_float(v.z); out[3] = __uint_as_float(v.w);
+}
+template <> __device__ __forceinline__ void unpack16<__half>(uint4 v, float* out) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { const float2 f = __half22float2(h[e]); out[2 * e] = f.x; out[2 * e + 1] = f.y; }
+}
+template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(uint4 v, float* out) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); out[2 * e] = f.x; out[2 * e + 1] = f.y; }
+}
+
+// grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem
+// (g*hd + g*chunk + ATTN_THREADS*VEC*g) floats.
 template <typename T>
-__device__ void attn_partial(const T* __restrict__ qkv, const float* __restrict__ cos,
-                             const float* __restrict__ sin, const T* __restrict__ k_cache,
-                             const T* __restrict__ v_cache, const uint32_t* __restrict__ pos_p,
-                             const uint32_t* __restrict__ pads, float* __restrict__ part_o,
-                             float* __restrict__ part_ml, int nh, int nkv, int hd, int max_len,
-                             int n_split, float scale) {
+__device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__ cos,
+                            const float* __restrict__ sin, const T* __restrict__ k_cache,
+                            const T* __restrict__ v_cache, const uint32_t* __restrict__ pos_p,
+                            const uint32_t* __restrict__ pads, float* __restrict__ part_o,
+                            float* __restrict__ part_ml, uint32_t* __restrict__ counters,
+                            T* __restrict__ out, int nh, int nkv, int hd, int max_len, int n_split,
+                            int chunk, float scale) {
+    constexpr int VEC = 16 / sizeof(T);
     extern __shared__ float sh[];
+    __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
+    __shared__ bool last_sh;
+    pdl_trigger();
+    pdl_wait();  // every input may come from the previous kernel
     const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
     const int g = nh / nkv;
     const int len = (int)pos_p[0] + 1;
-    const int start = split * ATTN_CHUNK;
+    const int start = split * chunk;
     if (start >= len) return;
-    const int end = min(start + ATTN_CHUNK, len);
+    const int end = min(start + chunk, len), n = end - start;
+    const int n_active = (len + chunk - 1) / chunk;
     const int pad = (int)pads[s];
-    float* q_sh = sh;               // [g, hd]
-    float* p_sh = sh + g * hd;      // [g, ATTN_CHUNK]
+    const int lpk = hd / VEC;               // lanes per K/V row
+    const int rows_per_pass = ATTN_THREADS / lpk;
+    const int sub = threadIdx.x % lpk, grp = threadIdx.x / lpk;
+    float* q_sh = sh;                        // [g, hd]
+    float* p_sh = q_sh + g * hd;             // [g, chunk]
+    float* r_sh = p_sh + g * chunk;          // [rows_per_pass, g, hd]
 
     {
         const int half = hd / 2, rpos = max(len - 1 - pad, 0);
@@ -54,112 +92,146 @@ __device__ void attn_partial(const T* __restrict__ qkv, const float* __restrict_
     }
     __syncthreads();
 
-    // Scores: one warp per key, each lane holds hd/32 (<= 4) elements.
     const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)max_len * hd;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-    for (int j = start + warp; j < end; j += n_warps) {
-        const T* k_gl_rd = k_cache + head_off + (size_t)j * hd;
-        float kr[4];
+    const uint4* k_gl_rd = reinterpret_cast<const uint4*>(k_cache + head_off);
+    const uint4* v_gl_rd = reinterpret_cast<const uint4*>(v_cache + head_off);
+
+    // Scores: LPK lanes per key, partial dots reduced with shuffles inside the lane group.
+    for (int base = 0; base < n; base += rows_per_pass * ATTN_UNROLL) {
+        uint4 kv[ATTN_UNROLL];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) kr[e] = (lane + 32 * e < hd) ? to_f32(k_gl_rd[lane + 32 * e]) : 0.f;
-        const bool visible = j >= pad || j == len - 1;
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            const int t = base + u * rows_per_pass + grp;
+            kv[u] = t < n ? k_gl_rd[(size_t)(start + t) * lpk + sub] : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-        for (int hh = 0; hh < ATTN_MAX_G; ++hh) {
-            if (hh >= g) break;
-            float d = 0.f;
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            const int t = base + u * rows_per_pass + grp;
+            float kf[VEC];
+            unpack16<T>(kv[u], kf);
+            const int j = start + t;
+            const bool visible = j >= pad || j == len - 1;
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (lane + 32 * e < hd) d += kr[e] * q_sh[hh * hd + lane + 32 * e];
-            d = warp_sum(d);
-            if (lane == 0) p_sh[hh * ATTN_CHUNK + (j - start)] = visible ? d : -INFINITY;
+            for (int hh = 0; hh < ATTN_MAX_G; ++hh) {
+                if (hh >= g) break;
+                const float* q = q_sh + hh * hd + sub * VEC;
+                float d = 0.f;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) d += kf[e] * q[e];
+                for (int o = lpk / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                if (sub == 0 && t < n) p_sh[hh * chunk + t] = visible ? d : -INFINITY;
+            }
         }
     }
     __syncthreads();
 
-    // Per head: max and exp over the chunk.
-    __shared__ float red[32];
-    __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
-    const int n = end - start;
-    for (int hh = 0; hh < g; ++hh) {
+    // Softmax pieces per head: a warp per head, no block-wide barrier inside.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int hh = warp; hh < g; hh += ATTN_THREADS / 32) {
         float m = -INFINITY;
-        for (int t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, p_sh[hh * ATTN_CHUNK + t]);
-        m = block_max(m, red);
+        for (int t = lane; t < n; t += 32) m = fmaxf(m, p_sh[hh * chunk + t]);
+        m = warp_max(m);
         float l = 0.f;
-        for (int t = threadIdx.x; t < n; t += blockDim.x) {
-            const float e = (m == -INFINITY) ? 0.f : __expf(p_sh[hh * ATTN_CHUNK + t] - m);
-            p_sh[hh * ATTN_CHUNK + t] = e;
+        for (int t = lane; t < n; t += 32) {
+            const float e = (m == -INFINITY) ? 0.f : __expf(p_sh[hh * chunk + t] - m);
+            p_sh[hh * chunk + t] = e;
             l += e;
         }
-        l = block_sum(l, red);
-        if (threadIdx.x == 0) { m_sh[hh] = m; l_sh[hh] = l; }
+        l = warp_sum(l);
+        if (lane == 0) { m_sh[hh] = m; l_sh[hh] = l; }
     }
     __syncthreads();
 
-    // P·V: thread (sub, d) takes keys t ≡ sub (mod n_sub); partial sums meet in smem.
-    const int n_sub = blockDim.x / hd, sub = threadIdx.x / hd, d = threadIdx.x % hd;
-    float acc[ATTN_MAX_G];
+    // P·V: lane group `grp` takes rows t ≡ grp (mod rows_per_pass), VEC dims per thread.
+    float acc[ATTN_MAX_G][VEC];
 #pragma unroll
-    for (int hh = 0; hh < ATTN_MAX_G; ++hh) acc[hh] = 0.f;
-    if (sub < n_sub) {
-        for (int t = sub; t < n; t += n_sub) {
-            const float v = to_f32(v_cache[head_off + (size_t)(start + t) * hd + d]);
+    for (int hh = 0; hh < ATTN_MAX_G; ++hh)
 #pragma unroll
-            for (int hh = 0; hh < ATTN_MAX_G; ++hh)
-                if (hh < g) acc[hh] += p_sh[hh * ATTN_CHUNK + t] * v;
+        for (int e = 0; e < VEC; ++e) acc[hh][e] = 0.f;
+    for (int base = grp; base < n; base += rows_per_pass * ATTN_UNROLL) {
+        uint4 vv[ATTN_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            const int t = base + u * rows_per_pass;
+            vv[u] = t < n ? v_gl_rd[(size_t)(start + t) * lpk + sub] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            const int t = base + u * rows_per_pass;
+            if (t >= n) break;
+            float vf[VEC];
+            unpack16<T>(vv[u], vf);
+#pragma unroll
+            for (int hh = 0; hh < ATTN_MAX_G; ++hh) {
+                if (hh >= g) break;
+                const float p = p_sh[hh * chunk + t];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[hh][e] += p * vf[e];
+            }
         }
     }
-    __syncthreads();  // p_sh is reused below as the reduction buffer [n_sub, g, hd]
-    float* r_sh = p_sh;
-    if (sub < n_sub) {
 #pragma unroll
-        for (int hh = 0; hh < ATTN_MAX_G; ++hh)
-            if (hh < g) r_sh[(sub * g + hh) * hd + d] = acc[hh];
+    for (int hh = 0; hh < ATTN_MAX_G; ++hh) {
+        if (hh >= g) break;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) r_sh[(grp * g + hh) * hd + sub * VEC + e] = acc[hh][e];
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
-        const int hh = idx / hd, dd = idx % hd;
-        float o = 0.f;
-        for (int u = 0; u < n_sub; ++u) o += r_sh[(u * g + hh) * hd + dd];
-        const size_t row = ((size_t)s * nh + kvh * g + hh) * n_split + split;
-        part_o[row * hd + dd] = o;
-        if (dd == 0) { part_ml[row * 2] = m_sh[hh]; part_ml[row * 2 + 1] = l_sh[hh]; }
-    }
-}
 
-// grid (nh, b), block hd threads.
-template <typename T>
-__device__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                             const uint32_t* __restrict__ pos_p, T* __restrict__ out, int nh,
-                             int hd, int n_split) {
-    const int head = blockIdx.x, s = blockIdx.y, d = threadIdx.x;
-    if (d >= hd) return;
-    const int len = (int)pos_p[0] + 1;
-    const int active = min(n_split, (len + ATTN_CHUNK - 1) / ATTN_CHUNK);
-    const size_t row0 = ((size_t)s * nh + head) * n_split;
-    float m = -INFINITY;
-    for (int i = 0; i < active; ++i) m = fmaxf(m, part_ml[(row0 + i) * 2]);
-    float l = 0.f, o = 0.f;
-    for (int i = 0; i < active; ++i) {
-        const float mi = part_ml[(row0 + i) * 2];
-        const float w = (mi == -INFINITY) ? 0.f : __expf(mi - m);
-        l += w * part_ml[(row0 + i) * 2 + 1];
-        o += w * part_o[(row0 + i) * hd + d];
+    const size_t row0 = (size_t)s * nh + (size_t)kvh * g;  // first query head of this block
+    if (n_active == 1) {
+        for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+            const int hh = idx / hd, d = idx % hd;
+            float o = 0.f;
+            for (int u = 0; u < rows_per_pass; ++u) o += r_sh[(u * g + hh) * hd + d];
+            out[(row0 + hh) * hd + d] = from_f32<T>(o / l_sh[hh]);
+        }
+        return;
     }
-    out[((size_t)s * nh + head) * hd + d] = from_f32<T>(o / l);
+    for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+        const int hh = idx / hd, d = idx % hd;
+        float o = 0.f;
+        for (int u = 0; u < rows_per_pass; ++u) o += r_sh[(u * g + hh) * hd + d];
+        const size_t row = (row0 + hh) * n_split + split;
+        part_o[row * hd + d] = o;
+        if (d == 0) { part_ml[row * 2] = m_sh[hh]; part_ml[row * 2 + 1] = l_sh[hh]; }
+    }
+
+    // The last block of this (sequence, KV head) to get here merges every chunk.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t ticket = atomicAdd(&counters[(size_t)s * nkv + kvh], 1u);
+        last_sh = ticket == (uint32_t)(n_active - 1);
+    }
+    __syncthreads();
+    if (!last_sh) return;
+    __threadfence();
+    for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+        const int hh = idx / hd, d = idx % hd;
+        const size_t r0 = (row0 + hh) * n_split;
+        float m = -INFINITY;
+        for (int i = 0; i < n_active; ++i) m = fmaxf(m, __ldcg(part_ml + (r0 + i) * 2));
+        float l = 0.f, o = 0.f;
+        for (int i = 0; i < n_active; ++i) {
+            const float mi = __ldcg(part_ml + (r0 + i) * 2);
+            const float w = (mi == -INFINITY) ? 0.f : __expf(mi - m);
+            l += w * __ldcg(part_ml + (r0 + i) * 2 + 1);
+            o += w * __ldcg(part_o + (r0 + i) * hd + d);
+        }
+        out[(row0 + hh) * hd + d] = from_f32<T>(o / l);
+    }
+    if (threadIdx.x == 0) counters[(size_t)s * nkv + kvh] = 0;
 }
 
 #define ATTN_KERNELS(SUF, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial_##SUF(                \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_##SUF(                 \
         const T* qkv, const float* cos, const float* sin, const T* k, const T* v,                 \
-        const uint32_t* pos, const uint32_t* pads, float* part_o, float* part_ml, int nh,         \
-        int nkv, int hd, int max_len, int n_split, float scale) {                                 \
-        attn_partial<T>(qkv, cos, sin, k, v, pos, pads, part_o, part_ml, nh, nkv, hd, max_len,    \
-                        n_split, scale);                                                          \
-    }                                                                                             \
-    extern "C" __global__ void attn_combine_##SUF(const float* part_o, const float* part_ml,       \
-                                                  const uint32_t* pos, T* out, int nh, int hd,    \
-                                                  int n_split) {                                  \
-        attn_combine<T>(part_o, part_ml, pos, out, nh, hd, n_split);                              \
+        const uint32_t* pos, const uint32_t* pads, float* part_o, float* part_ml,                 \
+        uint32_t* counters, T* out, int nh, int nkv, int hd, int max_len, int n_split, int chunk, \
+        float scale) {                                                                            \
+        attn_decode<T>(qkv, cos, sin, k, v, pos, pads, part_o, part_ml, counters, out, nh, nkv,  \
+                       hd, max_len, n_split, chunk, scale);                                       \
     }
 
 ATTN_KERNELS(f32, float)

@@ -9,6 +9,7 @@
 // The sum is rounded to T before the norm is taken, exactly as an unfused
 // `(x + res)` followed by `rms_norm` would do, so fused and unfused agree.
 // Accumulation is in f32. One block of 256 threads per row; h is arbitrary.
+// Launched with programmatic dependent launch (see pdl_wait in common.cuh).
 #include "common.cuh"
 
 using namespace lowbit;
@@ -18,6 +19,8 @@ __device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ res,
                              const T* __restrict__ w, T* __restrict__ out,
                              int rows, int h, float eps) {
     __shared__ float sh[32];
+    pdl_trigger();
+    pdl_wait();  // every input may come from the previous kernel
     const int row = blockIdx.x;
     if (row >= rows) return;
     const T* x_rd = x + (size_t)row * h;

@@ -434,6 +434,10 @@ impl Llama {
     }
 
     /// One decode step for the graph decoder: ids `[b]` and the position on the device;
+    /// 9 launches per layer (two fused add + RMSNorm, the QKV, o, gate/up and down
+    /// projections, RoPE + KV append, one decode-attention launch, SiLU·mul) and 5 more per
+    /// token (embedding, first norm, output head, logits copy, position advance); GGML
+    /// formats add candle's activation quantization before each projection.
     /// writes f32 logits `[b, vocab]` into `logits` and advances `pos` by one. Every launch
     /// reads its inputs from device buffers that outlive a captured graph.
     pub(crate) fn decode_step_into(
@@ -450,7 +454,7 @@ impl Llama {
         let (cos, sin) = (cache.cos.narrow(0, host_pos, 1)?, cache.sin.narrow(0, host_pos, 1)?);
         let ctx = StepCtx { pos: host_pos, dev: &dev, cos: &cos, sin: &sin, mask: None };
         let xn = self.layers(ids, (b, 1), &ctx, &mut cache.kvs)?;
-        let out = self.lm_head.forward(&xn)?.reshape(logits.shape())?.to_dtype(DType::F32)?;
+        let out = self.lm_head.forward_f32(&xn.reshape((b, self.hidden))?)?;
         logits.slice_set(&out, 0, 0)?;
         crate::ops::advance_pos(pos, 1)
     }
@@ -470,7 +474,7 @@ impl Llama {
         let xn = self.hidden_states(input_ids, index_pos, cache)?;
         let seq = xn.dim(1)?;
         let last = xn.i((.., seq - 1, ..))?.contiguous()?;
-        self.lm_head.forward(&last)?.to_dtype(DType::F32)
+        self.lm_head.forward_f32(&last)
     }
 
     /// Logits `[b, seq, vocab]` (f32) of every position (for perplexity).

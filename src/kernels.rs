@@ -10,7 +10,10 @@ pub use cuda::*;
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
+    use candle_core::cuda_backend::cudarc::driver::{
+        sys, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, SyncOnDrop,
+    };
+    use std::ffi::c_void;
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
     use candle_core::{Layout, Result};
 
@@ -30,5 +33,68 @@ mod cuda {
     /// Map a cudarc driver error into a candle error.
     pub fn launch_err(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
         candle_core::Error::wrap(e)
+    }
+
+    /// One kernel parameter for [`launch_pdl`] (by value: device addresses and scalars).
+    #[derive(Debug, Clone, Copy)]
+    pub enum Arg {
+        Ptr(sys::CUdeviceptr),
+        I32(i32),
+        U32(u32),
+        F32(f32),
+    }
+
+    /// Whether launches ask for programmatic dependent launch (on unless the environment
+    /// sets `CANDLE_LOWBIT_PDL=0`; read once).
+    pub fn pdl_enabled() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("CANDLE_LOWBIT_PDL").map(|v| v != "0").unwrap_or(true))
+    }
+
+    /// Launch `func` on `stream` with programmatic dependent launch allowed: the kernel may
+    /// start while the previous kernel in the stream is finishing, so every kernel launched
+    /// this way calls `pdl_wait()` (cuda/common.cuh) before it reads anything an earlier
+    /// kernel wrote or writes anything. Captured into a CUDA graph, the dependency becomes a
+    /// programmatic edge. Device addresses in `args` must stay valid until the kernel runs
+    /// (callers hold the views, and their `SyncOnDrop` guards, across this call).
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list in number, order and type.
+    pub unsafe fn launch_pdl(func: &CudaFunction, stream: &CudaStream, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let mut vals: Vec<Arg> = args.to_vec();
+        let mut ptrs: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|a| match a {
+                Arg::Ptr(p) => p as *mut sys::CUdeviceptr as *mut c_void,
+                Arg::I32(v) => v as *mut i32 as *mut c_void,
+                Arg::U32(v) => v as *mut u32 as *mut c_void,
+                Arg::F32(v) => v as *mut f32 as *mut c_void,
+            })
+            .collect();
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let lc = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: if pdl_enabled() { 1 } else { 0 },
+        };
+        sys::cuLaunchKernelEx(&lc, func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut())
+            .result()
+            .map_err(launch_err)
+    }
+
+    /// The device address of a view (and the guard that keeps cudarc's stream tracking
+    /// right until it is dropped, after the launch).
+    pub fn dptr<'a, T>(v: &'a impl DevicePtr<T>, stream: &'a CudaStream) -> (Arg, SyncOnDrop<'a>) {
+        let (p, guard) = v.device_ptr(stream);
+        (Arg::Ptr(p), guard)
     }
 }

@@ -53,13 +53,15 @@ pub struct KvCache {
     dtype: DType,
     device: Device,
     kv: Option<Tensor>,
+    /// u32 `[batch * n_kv]`, zero between calls: the fused decode attention's merge counters.
+    counters: Option<Tensor>,
 }
 
 impl KvCache {
     /// A cache for `heads` (query heads `nh` over `nkv` KV heads of `hd`), up to `max_len`
     /// tokens per sequence. Storage is allocated by the first `append` at position 0.
     pub fn new(format: KvFormat, heads: Heads, max_len: usize, dtype: DType, device: &Device) -> Self {
-        Self { format, heads, max_len, dtype, device: device.clone(), kv: None }
+        Self { format, heads, max_len, dtype, device: device.clone(), kv: None, counters: None }
     }
 
     pub fn format(&self) -> KvFormat {
@@ -83,6 +85,7 @@ impl KvCache {
     /// Drop the storage (the next `append` at position 0 allocates again).
     pub fn clear(&mut self) {
         self.kv = None;
+        self.counters = None;
     }
 
     /// Write the K (rotated for its positions) and V parts of a fused projection
@@ -100,6 +103,7 @@ impl KvCache {
         if pos == 0 && self.batch() != b {
             let shape = (2, b, self.heads.nkv, self.max_len, self.heads.hd);
             self.kv = Some(Tensor::zeros(shape, self.dtype, &self.device)?);
+            self.counters = Some(Tensor::zeros(b * self.heads.nkv, DType::U32, &self.device)?);
         }
         let Some(kv) = &self.kv else { candle_core::bail!("kv cache: first append must be at position 0, got {pos}") };
         if kv.dims()[1] != b {
@@ -112,8 +116,10 @@ impl KvCache {
     /// `append`) over rows `0..=pos`, with the fused decode kernel. `[b, 1, nh hd]`.
     /// Callers check [`Heads::fused_ok`] first and use [`KvCache::attend`] otherwise.
     pub fn attend_decode(&self, qkv: &Tensor, p: &StepPositions) -> Result<Tensor> {
-        let Some(kv) = &self.kv else { candle_core::bail!("kv cache: attend before any append") };
-        decode_attention(qkv, kv, self.heads, p)
+        let (Some(kv), Some(counters)) = (&self.kv, &self.counters) else {
+            candle_core::bail!("kv cache: attend before any append")
+        };
+        decode_attention(qkv, kv, counters, self.heads, p)
     }
 
     /// Attention of rotated queries `q` `[b, nh, seq, hd]` over the first `len` rows.

@@ -195,6 +195,42 @@ impl QLinear {
     }
 }
 
+/// Where dense layers on the GPU use the skinny-matmul kernel (`ops::gemv`) instead of
+/// cuBLAS: up to `GEMV_ROWS` rows of input at most `GEMV_MAX_K` wide. Measured on the H200
+/// (BENCHMARKS.md, f16, m = 1): 4096x4096 13.6 µs against cuBLAS's 18.3, 11008x4096 25.0
+/// against 26.9; but 4096x11008 (k = 11008) 34.9 against 28.7, and at m = 8 cuBLAS is
+/// 3x faster.
+pub const GEMV_ROWS: usize = 1;
+pub const GEMV_MAX_K: usize = 8192;
+
+fn use_gemv(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cuda()
+        && x.dims2().is_ok_and(|(m, k)| m <= GEMV_ROWS && k <= GEMV_MAX_K)
+        && crate::ops::gemv_ok(x, w)
+}
+
+/// `x [m, k] · w [n, k]ᵀ` in `out` (x's dtype or f32): the skinny-matmul kernel on the
+/// GPU for decode-sized `m`, candle's matmul (cuBLAS / gemm) otherwise.
+fn dense_matmul(x: &Tensor, w: &Tensor, out: DType) -> Result<Tensor> {
+    if use_gemv(x, w) {
+        return crate::ops::gemv(x, w, out);
+    }
+    x.matmul(&w.t()?)?.to_dtype(out)
+}
+
+impl QLinear {
+    /// `forward` with f32 output (an output head's logits): dense weights on the GPU at
+    /// decode sizes write f32 straight from the f32 accumulators, without a cast.
+    pub fn forward_f32(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense { w, b: None } if use_gemv(x, w) => {
+                crate::ops::gemv(x, w, DType::F32)
+            }
+            _ => self.forward(x)?.to_dtype(DType::F32),
+        }
+    }
+}
+
 impl Module for QLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (n, k) = self.shape()?;
@@ -213,7 +249,7 @@ impl Module for QLinear {
                 if let Some(last) = out_dims.last_mut() {
                     *last = n;
                 }
-                x.reshape((m, k))?.matmul(&w.t()?)?.reshape(out_dims)?
+                dense_matmul(&x.reshape((m, k))?, w, x.dtype())?.reshape(out_dims)?
             }
             // candle's quantized matmuls take f32/f16/bf16 inputs directly (CUDA: the
             // MMVQ/MMQ paths for every format here; CPU: all three), output in that dtype.

@@ -120,6 +120,8 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
         (Heads { nh: 32, nkv: 8, hd: 128 }, 2, 700, 1024),
         (Heads { nh: 8, nkv: 1, hd: 128 }, 1, 256, 600),
         (Heads { nh: 32, nkv: 32, hd: 128 }, 1, 4095, 4096),
+        (Heads { nh: 6, nkv: 2, hd: 32 }, 2, 130, 131),
+        (Heads { nh: 8, nkv: 2, hd: 64 }, 1, 9000, 9001),
     ];
     for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
         for (ci, &(heads, b, len, max_len)) in cases.iter().enumerate() {
@@ -140,7 +142,13 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
                 }
                 let p = positions_on(&pads, len as u32 - 1, &tabs, d)?;
                 rope_kv_append(cache, &step.to_device(d)?, heads, &p)?;
-                outs.push(decode_attention(&step.to_device(d)?, cache, heads, &p)?.to_device(&cpu)?);
+                let counters = Tensor::zeros(b * heads.nkv, DType::U32, d)?;
+                let first = decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
+                // Again on the same counters: the kernel must have left them at zero.
+                let again = decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
+                assert_eq!(counters.to_vec1::<u32>()?, vec![0; b * heads.nkv], "counters not reset");
+                assert_close(&again.to_device(&cpu)?, &first.to_device(&cpu)?, 0.0, 0.0, "second call")?;
+                outs.push(first.to_device(&cpu)?);
             }
             let what = format!("{dtype:?} {heads:?} b{b} len{len}");
             assert_close(&caches[1].to_device(&cpu)?, &caches[0], tol, tol, &format!("cache {what}"))?;
@@ -169,5 +177,35 @@ fn small_decode_ops_cuda_match_cpu() -> Result<()> {
     advance_pos(&pos, 1)?;
     advance_pos(&pos, 2)?;
     assert_eq!(pos.to_vec1::<u32>()?, vec![44]);
+    Ok(())
+}
+
+/// The skinny-matmul kernel against its CPU reference and candle's matmul: every dtype,
+/// f32 and same-dtype output, m 1..=8, odd n, k not a multiple of the unrolled step.
+#[test]
+fn gemv_cuda_matches_cpu() -> Result<()> {
+    use candle_lowbit::ops::gemv;
+    let (cpu, dev) = (Device::Cpu, gpu()?);
+    let shapes = [(1usize, 1001usize, 584usize), (2, 64, 4096), (3, 333, 1000), (5, 17, 11008), (8, 4097, 576), (7, 3, 8)];
+    for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
+        for (si, &(m, n, k)) in shapes.iter().enumerate() {
+            let x = randn(50 + si as u64, &[m, k], 1.0, dtype, &cpu)?;
+            let w = randn(60 + si as u64, &[n, k], 1.0 / (k as f32).sqrt(), dtype, &cpu)?;
+            for out in [dtype, DType::F32] {
+                let want = gemv(&x, &w, out)?;
+                let got = gemv(&x.to_device(&dev)?, &w.to_device(&dev)?, out)?.to_device(&cpu)?;
+                let what = format!("gemv {dtype:?}->{out:?} m{m} n{n} k{k}");
+                assert_close(&got, &want, tol, tol, &what)?;
+                let mm = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+                assert_close(&got.to_dtype(DType::F32)?, &mm, tol, tol, &format!("{what} vs matmul"))?;
+            }
+        }
+    }
+    // Not taken as is: a misaligned view and too many rows.
+    let x = randn(70, &[9, 64], 1.0, DType::F16, &dev)?;
+    let w = randn(71, &[32, 64], 1.0, DType::F16, &dev)?;
+    assert!(gemv(&x, &w, DType::F16).is_err());
+    assert!(gemv(&x.narrow(1, 1, 56)?.contiguous()?.narrow(0, 0, 1)?, &w.narrow(1, 0, 56)?.contiguous()?, DType::F16).is_ok());
+    assert!(gemv(&x.flatten_all()?.narrow(0, 1, 64)?.reshape((1, 64))?, &w, DType::F16).is_err());
     Ok(())
 }

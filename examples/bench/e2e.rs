@@ -8,7 +8,8 @@
 //! (batch B after a 128-token prompt: tokens/s). A decode step is what a generation loop
 //! does: one token per sequence through the model (stock: `forward`; ours: the graph
 //! decoder, CUDA-graph replay where it can, the `mode` column says), argmax on the
-//! device, the tokens read back to the host for the next step. Prompts are prefilled in chunks of 512 tokens with a
+//! device, the tokens read back to the host for the next step. `async_ms`: the same steps
+//! issued back to back without reading tokens back (device time where it exceeds the host's). Prompts are prefilled in chunks of 512 tokens with a
 //! synchronize after each chunk (untimed). Peak memory is sampled during each row's
 //! untimed prefill (the prefill row's warm-up run; the decode rows' prompt): device
 //! memory in use, total − free, every millisecond.
@@ -155,7 +156,7 @@ fn run_config(
                 .opt("mem_GiB", crate::util::mem_used(&ctx.dev).map(gib))),
             Metric::Check => check(ctx, p, spec, e, row, base),
             Metric::Prefill(n) => prefill(ctx, p, e, *n, row),
-            Metric::Decode { ctx: c, batch } => decode(ctx, p, e, *c, *batch, row),
+            Metric::Decode { ctx: c, batch } => decode(ctx, p, e, *c, *batch, row).and_then(|r| with_floor(ctx, p, e, r)),
         };
         let row = match r {
             Ok(row) => with_ratio(row, spec, m.name(p.batch_ctx), base),
@@ -196,7 +197,7 @@ fn check(ctx: &Ctx, p: &Plan, spec: Spec, e: &mut Engine, row: Row, base: &mut B
             base.logits = Some(logits);
             return Ok(row.status(Status::Ok, "reference logits"));
         }
-        Spec::QLlamaQ4K => {
+        Spec::QLlama(_) => {
             return Ok(row.status(Status::Skip, "prototype weights (values differ from stock's by design)"))
         }
         Spec::Ours(candle_lowbit::WeightFormat::Dense, _) => match &base.logits {
@@ -258,10 +259,24 @@ fn prefill(ctx: &Ctx, p: &Plan, e: &mut Engine, n: usize, row: Row) -> Result<Ro
     Ok(row.num("tokens", n as f64).num("ms", t * 1e3).num("tok/s", n as f64 / t).opt("peak_GiB", peak.map(gib)))
 }
 
+/// Adds the weight-read floor of a decode row: the streaming-read ceiling for the bytes a
+/// step must read (every linear weight, and K and V of every cached token, f16 here),
+/// `floor_ms`, and how close the row comes to it, `of_floor` (floor / measured).
+fn with_floor(ctx: &mut Ctx, p: &Plan, e: &Engine, row: Row) -> Result<Row> {
+    let (Some(ms), Some(c), Some(b)) = (row.get("ms/step"), row.get("ctx"), row.get("batch")) else { return Ok(row) };
+    let cfg = &p.cfg;
+    let hd = cfg.hidden_size / cfg.num_attention_heads;
+    let kv = 2 * cfg.num_hidden_layers * (b as usize) * (c as usize) * cfg.num_key_value_heads * hd * 2;
+    let bytes = e.linear_bytes(cfg)? + kv;
+    let dev = ctx.dev.clone();
+    let floor = ctx.ceiling.seconds(&dev, ctx.iters, 2e-3, bytes)?;
+    Ok(row.num("read_GB", bytes as f64 / 1e9).opt("floor_ms", floor.map(|f| f * 1e3)).opt("of_floor", floor.map(|f| f * 1e3 / ms)))
+}
+
 fn decode(ctx: &Ctx, p: &Plan, e: &mut Engine, c: usize, b: usize, row: Row) -> Result<Row> {
     let steps = ctx.iters.max(4) + 3;
     let warm = 2;
-    let max_len = c + warm + steps + 1;
+    let max_len = c + warm + 2 * steps + 1;
     if max_len > e.max_positions() {
         return Ok(row.status(Status::Skip, format!("{max_len} positions exceed the model's {}", e.max_positions())));
     }
@@ -289,10 +304,20 @@ fn decode(ctx: &Ctx, p: &Plan, e: &mut Engine, c: usize, b: usize, row: Row) -> 
         }
     }
     let t = median(&mut v);
+    // The same steps without reading the tokens back (the host runs ahead of the GPU):
+    // the device-side time per step where it exceeds the host's.
+    ctx.dev.synchronize()?;
+    let t0 = Instant::now();
+    for i in 0..steps {
+        e.step(&ids, c + warm + steps + i)?;
+    }
+    ctx.dev.synchronize()?;
+    let pipelined = t0.elapsed().as_secs_f64() / steps as f64;
     Ok(row
         .num("ctx", c as f64)
         .num("batch", b as f64)
         .num("ms/step", t * 1e3)
+        .num("async_ms", pipelined * 1e3)
         .num("tok/s", b as f64 / t)
         .opt("peak_GiB", peak.map(gib))
         .text("mode", e.mode()))

@@ -52,8 +52,9 @@ pub enum Spec {
     Stock,
     /// Our Llama: weight format × KV format.
     Ours(WeightFormat, KvFormat),
-    /// Stock `candle_transformers::models::quantized_llama` on a Q4K GGUF.
-    QLlamaQ4K,
+    /// Stock `candle_transformers::models::quantized_llama` on a GGUF of this format
+    /// (Q4K: the strongest peer; Q4_0: the same format as our `q4_0` configuration).
+    QLlama(GgmlDType),
 }
 
 impl Spec {
@@ -63,7 +64,7 @@ impl Spec {
         for w in WeightFormat::ALL {
             v.extend(KvFormat::ALL.iter().map(|k| Self::Ours(*w, *k)));
         }
-        v.push(Self::QLlamaQ4K);
+        v.extend([Self::QLlama(GgmlDType::Q4K), Self::QLlama(GgmlDType::Q4_0)]);
         v
     }
 
@@ -71,7 +72,7 @@ impl Spec {
         match self {
             Self::Stock => "candle-f16".into(),
             Self::Ours(w, k) => format!("ours-{}-kv{}", w.name(), k.name()),
-            Self::QLlamaQ4K => "candle-qllama-q4k".into(),
+            Self::QLlama(dt) => format!("candle-qllama-{}", ggml_name(*dt)),
         }
     }
 }
@@ -149,6 +150,7 @@ pub enum Engine {
     },
     QLlama {
         model: Box<quantized_llama::ModelWeights>,
+        dtype: GgmlDType,
         dev: Device,
     },
 }
@@ -175,7 +177,7 @@ impl Engine {
                 quantize_ours(&mut model, w, dev, protos)?;
                 Self::Ours { model, cache: None, decoder: None, kv, cfg: cfg.clone(), dtype, dev: dev.clone() }
             }
-            Spec::QLlamaQ4K => Self::QLlama { model: Box::new(qllama_q4k(cfg, dev, protos)?), dev: dev.clone() },
+            Spec::QLlama(dt) => Self::QLlama { model: Box::new(qllama(cfg, dt, dev, protos)?), dtype: dt, dev: dev.clone() },
         })
     }
 
@@ -194,6 +196,20 @@ impl Engine {
             Self::Ours { model, .. } => model.weight_bytes().ok(),
             _ => None,
         }
+    }
+
+    /// Bytes of every linear layer's weights (what a decode step must read besides the
+    /// cache), counted from the model's own storage (ours) or its shapes and format.
+    pub fn linear_bytes(&self, cfg: &Config) -> Result<usize> {
+        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let hd = h / cfg.num_attention_heads;
+        let per_layer = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + h * h + 3 * h * i;
+        let params = cfg.num_hidden_layers * per_layer + v * h;
+        Ok(match self {
+            Self::Ours { model, .. } => model.linears().iter().map(|l| l.weight_bytes()).sum::<candle_core::Result<usize>>()?,
+            Self::Stock { dtype, .. } => params * dtype.size_in_bytes(),
+            Self::QLlama { dtype, .. } => params / dtype.block_size() * dtype.type_size(),
+        })
     }
 
     /// Start a new batch of sequences that will hold up to `max_len` positions.
@@ -300,19 +316,24 @@ fn quantize_ours(model: &mut Llama, w: WeightFormat, dev: &Device, protos: &mut 
     Ok(())
 }
 
-/// quantized_llama over a Q4K GGUF written (in memory) from per-shape prototypes, with
-/// llama.cpp's names and metadata. llama.cpp's converter permutes Q and K rows for its
-/// interleaved RoPE; random weights need no permutation (speed only, not values).
-fn qllama_q4k(cfg: &Config, dev: &Device, protos: &mut Prototypes) -> Result<quantized_llama::ModelWeights> {
+/// The row-name spelling of a GGML dtype (`q4k`, `q4_0`), as `WeightFormat` names it.
+fn ggml_name(dt: GgmlDType) -> String {
+    format!("{dt:?}").to_lowercase()
+}
+
+/// quantized_llama over a GGUF in `dt` written (in memory) from per-shape prototypes (the
+/// same prototypes our GGML configurations use), with llama.cpp's names and metadata.
+/// llama.cpp's converter permutes Q and K rows for its interleaved RoPE; random weights
+/// need no permutation (speed only, not values).
+fn qllama(cfg: &Config, dt: GgmlDType, dev: &Device, protos: &mut Prototypes) -> Result<quantized_llama::ModelWeights> {
     let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let hd = h / cfg.num_attention_heads;
     let kv = cfg.num_key_value_heads * hd;
-    let q4k = GgmlDType::Q4K;
-    let emb = protos.cpu_qtensor(v, h, q4k, dev)?;
-    let w_q = protos.cpu_qtensor(h, h, q4k, dev)?;
-    let w_kv = protos.cpu_qtensor(kv, h, q4k, dev)?;
-    let w_up = protos.cpu_qtensor(i, h, q4k, dev)?;
-    let w_down = protos.cpu_qtensor(h, i, q4k, dev)?;
+    let emb = protos.cpu_qtensor(v, h, dt, dev)?;
+    let w_q = protos.cpu_qtensor(h, h, dt, dev)?;
+    let w_kv = protos.cpu_qtensor(kv, h, dt, dev)?;
+    let w_up = protos.cpu_qtensor(i, h, dt, dev)?;
+    let w_down = protos.cpu_qtensor(h, i, dt, dev)?;
     let norm = QTensor::quantize(&Tensor::ones(h, DType::F32, &Device::Cpu)?, GgmlDType::F32)?;
     let mut names: Vec<(String, &QTensor)> =
         vec![("token_embd.weight".into(), &emb), ("output_norm.weight".into(), &norm), ("output.weight".into(), &emb)];
@@ -348,8 +369,8 @@ fn qllama_q4k(cfg: &Config, dev: &Device, protos: &mut Prototypes) -> Result<qua
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = names.iter().map(|(k, t)| (k.as_str(), *t)).collect();
     let mut buf = std::io::Cursor::new(Vec::new());
-    gguf_file::write(&mut buf, &md_refs, &t_refs).context("writing the Q4K GGUF")?;
-    eprintln!("  wrote a {:.2} GB Q4K GGUF in memory", buf.get_ref().len() as f64 / 1e9);
+    gguf_file::write(&mut buf, &md_refs, &t_refs).with_context(|| format!("writing the {dt:?} GGUF"))?;
+    eprintln!("  wrote a {:.2} GB {dt:?} GGUF in memory", buf.get_ref().len() as f64 / 1e9);
     buf.set_position(0);
     let content = gguf_file::Content::read(&mut buf).context("reading back the GGUF")?;
     Ok(quantized_llama::ModelWeights::from_gguf(content, &mut buf, dev)?)

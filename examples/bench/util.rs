@@ -26,6 +26,9 @@ impl Ctx {
     pub fn new(dev: Device, args: &crate::Args) -> Result<Self> {
         let dtype = if dev.is_cuda() { DType::F16 } else { DType::F32 };
         let ceiling = crate::ceiling::Ceiling::new(&dev, args.quick)?;
+        if !args.quick && !args.list {
+            warm_up(&dev, 1.0)?;
+        }
         let deadline =
             (args.budget_s > 0.0).then(|| Instant::now() + std::time::Duration::from_secs_f64(args.budget_s));
         Ok(Self {
@@ -273,4 +276,24 @@ pub fn token_ids(b: usize, n: usize, vocab: usize, seed: u64, dev: &Device) -> R
         })
         .collect();
     Ok(Tensor::from_vec(ids, (b, n), dev)?)
+}
+
+/// Keep the GPU busy for `secs` before the first timed row. Without it the first row of a
+/// run (stock f16 4096x4096, m = 1) read 17.8–22.0 µs in three runs on 2026-12-01, and
+/// 14.2–16.1 µs in four runs with it (DESIGN.md §3: 13.3): an idle GPU starts slow.
+pub fn warm_up(dev: &Device, secs: f64) -> Result<()> {
+    if !dev.is_cuda() {
+        return Ok(());
+    }
+    let (_, sms) = device_info(dev);
+    let x = randn(&[128 << 20], 1.0, DType::F16, dev)?; // 256 MiB
+    let blocks = candle_lowbit::ops::stream_read_blocks(256 << 20, sms);
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < secs {
+        for _ in 0..16 {
+            candle_lowbit::ops::stream_read(&x, blocks)?;
+        }
+        dev.synchronize()?;
+    }
+    Ok(())
 }

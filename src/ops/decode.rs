@@ -29,7 +29,10 @@ impl Heads {
 
     /// Whether the fused decode kernels support this geometry (else use the generic path).
     pub fn fused_ok(&self) -> bool {
-        self.hd <= 128 && 128 % self.hd == 0 && self.hd % 2 == 0 && self.nkv > 0 && self.nh % self.nkv == 0
+        (8..=128).contains(&self.hd)
+            && 128 % self.hd == 0
+            && self.nkv > 0
+            && self.nh % self.nkv == 0
             && self.nh / self.nkv <= 8
     }
 }
@@ -346,19 +349,41 @@ impl InplaceOp2 for RopeKvAppend {
 
 /// Attention of each sequence's one new token (the Q part of `qkv` `[b, 1, (nh+2nkv) hd]`,
 /// rotated here for its position) over cache rows `0..=pos`. Returns `[b, 1, nh hd]`.
-pub fn decode_attention(qkv: &Tensor, cache: &Tensor, heads: Heads, p: &StepPositions) -> Result<Tensor> {
+///
+/// `counters`: u32 `[b * nkv]`, all zero, owned by the caller and kept for every later
+/// call on this cache (the GPU kernel's blocks count themselves in it to decide which
+/// merges the key chunks, and leave it zero again; a captured graph relies on that).
+pub fn decode_attention(
+    qkv: &Tensor,
+    cache: &Tensor,
+    counters: &Tensor,
+    heads: Heads,
+    p: &StepPositions,
+) -> Result<Tensor> {
     let (b, seq, w) = qkv.dims3()?;
     let (_, cb, nkv, _, hd) = cache.dims5()?;
     if seq != 1 || w != heads.qkv_width() || cb != b || nkv != heads.nkv || hd != heads.hd || !heads.fused_ok() {
         candle_core::bail!("decode_attention: qkv {:?} / cache {:?} unsupported for {heads:?}", qkv.shape(), cache.shape())
     }
+    if counters.dtype() != DType::U32 || counters.elem_count() != b * nkv || !counters.is_contiguous() {
+        candle_core::bail!(
+            "decode_attention: counters must be contiguous u32 [{}], got {:?} {:?}",
+            b * nkv,
+            counters.shape(),
+            counters.dtype()
+        )
+    }
     check_positions(p, b, hd)?;
-    qkv.contiguous()?.apply_op2_no_bwd(&cache.contiguous()?, &DecodeAttention { heads, p: p.clone() })
+    let op = DecodeAttention { heads, p: p.clone(), counters: counters.clone() };
+    qkv.contiguous()?.apply_op2_no_bwd(&cache.contiguous()?, &op)
 }
 
 struct DecodeAttention {
     heads: Heads,
     p: StepPositions,
+    /// Read by the CUDA kernel only (the CPU reference needs no merge counters).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    counters: Tensor,
 }
 
 fn attend_one(hp: &HostPositions, q: &[f32], keys: &[f32], vals: &[f32], pad: usize, hd: usize) -> Vec<f32> {
@@ -434,7 +459,7 @@ impl CustomOp2 for DecodeAttention {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let b = l2.shape().dims()[1];
-        let out = cuda::decode_attention(self.heads, &self.p, s1, l1, s2, l2)?;
+        let out = cuda::decode_attention(self.heads, &self.p, &self.counters, s1, l1, s2, l2)?;
         Ok((out, Shape::from((b, 1, self.heads.nh * self.heads.hd))))
     }
 }

@@ -2,15 +2,14 @@
 //! Shapes and dtypes are validated by the callers in `decode.rs`.
 
 use super::{Heads, StepPositions};
-use crate::kernels::{contiguous_view, launch_err, ptx};
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::backend::BackendStorage;
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
-/// Keys per chunk and the largest GQA group of `attn_partial` (see its header).
-const ATTN_CHUNK: usize = 256;
+/// Threads per block of `attn_decode` (ATTN_THREADS in its header).
 const ATTN_THREADS: u32 = 128;
 
 fn suffix(dt: DType) -> Result<&'static str> {
@@ -46,16 +45,16 @@ pub(super) fn embed_gather(
         s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, n: usize, h: usize, vocab: usize,
     ) -> Result<CudaStorage> {
         let dev = s1.device();
+        let stream = dev.cuda_stream();
         let table = contiguous_view::<T>(s1, l1, "table")?;
         let ids = contiguous_view::<u32>(s2, l2, "ids")?;
         let out = unsafe { dev.alloc::<T>(n * h)? };
         let name = format!("embed_gather_{}", suffix(T::DTYPE)?);
         let func = dev.get_or_load_custom_func(&name, "decode", ptx::DECODE)?;
-        let (n_i, h_i, v_i) = (n as i32, h as i32, vocab as i32);
-        let mut b = func.builder();
-        b.arg(&table).arg(&ids).arg(&out).arg(&n_i).arg(&h_i).arg(&v_i);
         if n > 0 {
-            unsafe { b.launch(grid(n, 1, 1, 128, 0)) }.map_err(launch_err)?;
+            let ((tp, _g1), (ip, _g2), (op, _g3)) = (dptr(&table, &stream), dptr(&ids, &stream), dptr(&out, &stream));
+            let args = [tp, ip, op, Arg::I32(n as i32), Arg::I32(h as i32), Arg::I32(vocab as i32)];
+            unsafe { launch_pdl(&func, &stream, grid(n, 1, 1, 128, 0), &args) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
@@ -70,15 +69,15 @@ pub(super) fn embed_gather(
 pub(super) fn silu_mul(s: &CudaStorage, l: &Layout, rows: usize, inter: usize) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr + WithDType>(s: &CudaStorage, l: &Layout, rows: usize, inter: usize) -> Result<CudaStorage> {
         let dev = s.device();
+        let stream = dev.cuda_stream();
         let gu = contiguous_view::<T>(s, l, "gu")?;
         let out = unsafe { dev.alloc::<T>(rows * inter)? };
         let func = dev.get_or_load_custom_func(&format!("silu_mul_{}", suffix(T::DTYPE)?), "decode", ptx::DECODE)?;
         let n = rows * inter;
-        let (r_i, i_i) = (rows as i32, inter as i32);
-        let mut b = func.builder();
-        b.arg(&gu).arg(&out).arg(&r_i).arg(&i_i);
         if n > 0 {
-            unsafe { b.launch(grid(n.div_ceil(256).min(65535), 1, 1, 256, 0)) }.map_err(launch_err)?;
+            let ((gp, _g1), (op, _g2)) = (dptr(&gu, &stream), dptr(&out, &stream));
+            let args = [gp, op, Arg::I32(rows as i32), Arg::I32(inter as i32)];
+            unsafe { launch_pdl(&func, &stream, grid(n.div_ceil(256).min(65535), 1, 1, 256, 0), &args) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
@@ -106,22 +105,23 @@ pub(super) fn rope_kv_append(
         let (b, max_len, seq) = (dims[1], dims[3], l2.shape().dims()[1]);
         let qkv = contiguous_view::<T>(s2, l2, "qkv")?;
         let func = dev.get_or_load_custom_func(&format!("rope_kv_{}", suffix(T::DTYPE)?), "decode", ptx::DECODE)?;
+        let stream = dev.cuda_stream();
         let cache = s1.as_cuda_slice_mut::<T>()?;
         let half = cache.len() / 2;
-        let (mut k, mut v) = cache.split_at_mut(half);
+        let (k, v) = cache.split_at_mut(half);
         with_view::<f32, _>(&p.cos, "cos", |cos| {
             with_view::<f32, _>(&p.sin, "sin", |sin| {
                 with_view::<u32, _>(&p.pos, "pos", |pos| {
                     with_view::<u32, _>(&p.pads, "pads", |pads| {
-                        let ints = [seq, heads.nh, heads.nkv, heads.hd, max_len].map(|x| x as i32);
-                        let mut bld = func.builder();
-                        bld.arg(&qkv).arg(&cos).arg(&sin).arg(&pos).arg(&pads).arg(&mut k).arg(&mut v);
-                        for x in &ints {
-                            bld.arg(x);
-                        }
+                        let (qp, _g1) = dptr(&qkv, &stream);
+                        let ((cp, _g2), (sp, _g3)) = (dptr(&cos, &stream), dptr(&sin, &stream));
+                        let ((pp, _g4), (dp, _g5)) = (dptr(&pos, &stream), dptr(&pads, &stream));
+                        let ((kp, _g6), (vp, _g7)) = (dptr(&k, &stream), dptr(&v, &stream));
+                        let ints = [seq, heads.nh, heads.nkv, heads.hd, max_len].map(|x| Arg::I32(x as i32));
+                        let mut args = vec![qp, cp, sp, pp, dp, kp, vp];
+                        args.extend(ints);
                         let cfg = grid(seq, b, heads.nkv, (heads.hd / 2) as u32, 0);
-                        unsafe { bld.launch(cfg) }.map_err(launch_err)?;
-                        Ok(())
+                        unsafe { launch_pdl(&func, &stream, cfg, &args) }
                     })
                 })
             })
@@ -139,23 +139,43 @@ pub(super) fn rope_kv_append(
     }
 }
 
+/// Keys per block for a cache of `max_len` rows: small chunks for short caches (enough
+/// blocks to keep the GPU busy), longer ones for long caches (fewer partials to merge).
+fn attn_chunk(max_len: usize) -> usize {
+    match max_len {
+        0..=2048 => 64,
+        2049..=8192 => 128,
+        _ => 256,
+    }
+}
+
 pub(super) fn decode_attention(
     heads: Heads,
     p: &StepPositions,
+    counters: &Tensor,
     s1: &CudaStorage,
     l1: &Layout,
     s2: &CudaStorage,
     l2: &Layout,
 ) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr + WithDType>(
-        heads: Heads, p: &StepPositions, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout,
+        heads: Heads, p: &StepPositions, counters: &Tensor, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout,
     ) -> Result<CudaStorage> {
         let dev = s1.device();
         let dims = l2.shape().dims().to_vec();
         let (b, max_len) = (dims[1], dims[3]);
         let Heads { nh, nkv, hd } = heads;
         let g = nh / nkv;
-        let n_split = max_len.div_ceil(ATTN_CHUNK);
+        let vec = 16 / T::DTYPE.size_in_bytes();
+        if hd % vec != 0 || hd / vec > 32 || (128 / (hd / vec)) * (hd / vec) != 128 {
+            candle_core::bail!("decode_attention: head dim {hd} unsupported for {:?}", T::DTYPE)
+        }
+        let chunk = attn_chunk(max_len);
+        let n_split = max_len.div_ceil(chunk);
+        let smem = (g * hd + g * chunk + ATTN_THREADS as usize * vec * g) * 4;
+        if smem > 48 * 1024 {
+            candle_core::bail!("decode_attention: {smem} bytes of shared memory for {heads:?} (limit 48 KiB)")
+        }
         let qkv = contiguous_view::<T>(s1, l1, "qkv")?;
         let cache = contiguous_view::<T>(s2, l2, "cache")?;
         let (k, v) = cache.split_at(cache.len() / 2);
@@ -163,28 +183,27 @@ pub(super) fn decode_attention(
         let part_ml = unsafe { dev.alloc::<f32>(b * nh * n_split * 2)? };
         let out = unsafe { dev.alloc::<T>(b * nh * hd)? };
         let sfx = suffix(T::DTYPE)?;
-        let partial = dev.get_or_load_custom_func(&format!("attn_partial_{sfx}"), "decode_attention", ptx::DECODE_ATTENTION)?;
-        let combine = dev.get_or_load_custom_func(&format!("attn_combine_{sfx}"), "decode_attention", ptx::DECODE_ATTENTION)?;
+        let func = dev.get_or_load_custom_func(&format!("attn_decode_{sfx}"), "decode_attention", ptx::DECODE_ATTENTION)?;
         let scale = 1f32 / (hd as f32).sqrt();
-        let ints = [nh, nkv, hd, max_len, n_split].map(|x| x as i32);
-        let smem = ((g * hd + g * ATTN_CHUNK) * 4) as u32;
+        let ints = [nh, nkv, hd, max_len, n_split, chunk];
+        let stream = dev.cuda_stream();
         with_view::<f32, _>(&p.cos, "cos", |cos| {
             with_view::<f32, _>(&p.sin, "sin", |sin| {
                 with_view::<u32, _>(&p.pos, "pos", |pos| {
                     with_view::<u32, _>(&p.pads, "pads", |pads| {
-                        let mut bld = partial.builder();
-                        bld.arg(&qkv).arg(&cos).arg(&sin).arg(&k).arg(&v).arg(&pos).arg(&pads);
-                        bld.arg(&part_o).arg(&part_ml);
-                        for x in &ints {
-                            bld.arg(x);
-                        }
-                        bld.arg(&scale);
-                        unsafe { bld.launch(grid(n_split, nkv, b, ATTN_THREADS, smem)) }.map_err(launch_err)?;
-                        let (nh_i, hd_i, ns_i) = (nh as i32, hd as i32, n_split as i32);
-                        let mut bld = combine.builder();
-                        bld.arg(&part_o).arg(&part_ml).arg(&pos).arg(&out).arg(&nh_i).arg(&hd_i).arg(&ns_i);
-                        unsafe { bld.launch(grid(nh, b, 1, hd as u32, 0)) }.map_err(launch_err)?;
-                        Ok(())
+                        with_view::<u32, _>(counters, "counters", |cnt| {
+                            let (qp, _g1) = dptr(&qkv, &stream);
+                            let ((cp, _g2), (sp, _g3)) = (dptr(&cos, &stream), dptr(&sin, &stream));
+                            let ((kp, _g4), (vp, _g5)) = (dptr(&k, &stream), dptr(&v, &stream));
+                            let ((pp, _g6), (dp, _g7)) = (dptr(&pos, &stream), dptr(&pads, &stream));
+                            let ((po, _g8), (pm, _g9)) = (dptr(&part_o, &stream), dptr(&part_ml, &stream));
+                            let ((np, _g10), (op, _g11)) = (dptr(&cnt, &stream), dptr(&out, &stream));
+                            let mut args = vec![qp, cp, sp, kp, vp, pp, dp, po, pm, np, op];
+                            args.extend(ints.map(|x| Arg::I32(x as i32)));
+                            args.push(Arg::F32(scale));
+                            let cfg = grid(n_split, nkv, b, ATTN_THREADS, smem as u32);
+                            unsafe { launch_pdl(&func, &stream, cfg, &args) }
+                        })
                     })
                 })
             })
@@ -192,20 +211,19 @@ pub(super) fn decode_attention(
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
     match s1.dtype() {
-        DType::F32 => run::<f32>(heads, p, s1, l1, s2, l2),
-        DType::F16 => run::<f16>(heads, p, s1, l1, s2, l2),
-        DType::BF16 => run::<bf16>(heads, p, s1, l1, s2, l2),
+        DType::F32 => run::<f32>(heads, p, counters, s1, l1, s2, l2),
+        DType::F16 => run::<f16>(heads, p, counters, s1, l1, s2, l2),
+        DType::BF16 => run::<bf16>(heads, p, counters, s1, l1, s2, l2),
         dt => candle_core::bail!("decode_attention: unsupported dtype {dt:?}"),
     }
 }
 
 pub(super) fn advance_pos(s: &mut CudaStorage, l: &Layout, by: u32) -> Result<()> {
     let dev = s.device().clone();
+    let stream = dev.cuda_stream();
     let func = dev.get_or_load_custom_func("advance_pos", "decode", ptx::DECODE)?;
     let slice = s.as_cuda_slice_mut::<u32>()?;
-    let mut view = slice.slice_mut(l.start_offset()..l.start_offset() + 1);
-    let mut b = func.builder();
-    b.arg(&mut view).arg(&by);
-    unsafe { b.launch(grid(1, 1, 1, 32, 0)) }.map_err(launch_err)?;
-    Ok(())
+    let view = slice.slice_mut(l.start_offset()..l.start_offset() + 1);
+    let (vp, _g) = dptr(&view, &stream);
+    unsafe { launch_pdl(&func, &stream, grid(1, 1, 1, 32, 0), &[vp, Arg::U32(by)]) }
 }

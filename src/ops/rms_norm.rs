@@ -125,8 +125,8 @@ impl CustomOp3 for AddRmsNorm {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::kernels::{contiguous_view, launch_err, ptx};
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
         use candle_core::cuda_backend::{CudaDType, CudaStorage};
         use half::{bf16, f16};
 
@@ -138,17 +138,18 @@ impl CustomOp3 for AddRmsNorm {
             (s1, l1, s2, l2, s3, l3): (&CudaStorage, &Layout, &CudaStorage, &Layout, &CudaStorage, &Layout),
         ) -> Result<CudaStorage> {
             let dev = s1.device();
+            let stream = dev.cuda_stream();
             let x = contiguous_view::<T>(s1, l1, "x")?;
             let res = contiguous_view::<T>(s2, l2, "res")?;
             let w = contiguous_view::<T>(s3, l3, "w")?;
             let out = unsafe { dev.alloc::<T>(2 * rows * h)? };
             let func = dev.get_or_load_custom_func(name, "rms_norm", ptx::RMS_NORM)?;
             let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let (rows_i, h_i) = (rows as i32, h as i32);
-            let mut b = func.builder();
-            b.arg(&x).arg(&res).arg(&w).arg(&out).arg(&rows_i).arg(&h_i).arg(&eps);
             if rows > 0 {
-                unsafe { b.launch(cfg) }.map_err(launch_err)?;
+                let ((xp, _g1), (rp, _g2)) = (dptr(&x, &stream), dptr(&res, &stream));
+                let ((wp, _g3), (op, _g4)) = (dptr(&w, &stream), dptr(&out, &stream));
+                let args = [xp, rp, wp, op, Arg::I32(rows as i32), Arg::I32(h as i32), Arg::F32(eps)];
+                unsafe { launch_pdl(&func, &stream, cfg, &args) }?;
             }
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }

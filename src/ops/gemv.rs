@@ -1,0 +1,169 @@
+//! Skinny matmul for decode: `y = x · Wᵀ` for `m <= 8` rows of activations and a dense
+//! weight, streaming `W` at DRAM speed (kernel: `cuda/gemv.cu`).
+//!
+//! `QLinear` takes this path on the GPU for dense weights when a call has at most
+//! [`GEMV_MAX_M`] rows and [`gemv_ok`] holds; larger calls go to cuBLAS through candle.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
+
+/// Most activation rows the kernel takes.
+pub const GEMV_MAX_M: usize = 8;
+
+/// `x [m, k]` · `w [n, k]`ᵀ → `[m, n]` in `out` (the inputs' dtype, or f32).
+#[derive(Debug, Clone, Copy)]
+pub struct Gemv {
+    pub out: DType,
+}
+
+/// Whether [`gemv`] takes `x [m, k]` and `w [n, k]` as they are: same dtype (f32, f16 or
+/// bf16), `1 <= m <= 8`, rows of a multiple of 16 bytes, both contiguous from a 16-byte
+/// aligned offset.
+pub fn gemv_ok(x: &Tensor, w: &Tensor) -> bool {
+    let (Ok((m, k)), Ok((_, kw))) = (x.dims2(), w.dims2()) else { return false };
+    let dt = x.dtype();
+    let aligned = |t: &Tensor| {
+        let l = t.layout();
+        l.is_contiguous() && (l.start_offset() * dt.size_in_bytes()) % 16 == 0
+    };
+    matches!(dt, DType::F32 | DType::F16 | DType::BF16)
+        && w.dtype() == dt
+        && (1..=GEMV_MAX_M).contains(&m)
+        && k == kw
+        && (k * dt.size_in_bytes()) % 16 == 0
+        && aligned(x)
+        && aligned(w)
+}
+
+/// `y [m, n] = x [m, k] · w [n, k]ᵀ`, f32 accumulation, rounded once to `out`
+/// (`x.dtype()` or `DType::F32`). Errors unless [`gemv_ok`].
+pub fn gemv(x: &Tensor, w: &Tensor, out: DType) -> Result<Tensor> {
+    if !gemv_ok(x, w) {
+        candle_core::bail!(
+            "gemv: x {:?} {:?} / w {:?} {:?} not supported (same dtype f32/f16/bf16, 1..={GEMV_MAX_M} rows, \
+             rows a multiple of 16 bytes, contiguous and 16-byte aligned)",
+            x.shape(),
+            x.dtype(),
+            w.shape(),
+            w.dtype()
+        )
+    }
+    if out != x.dtype() && out != DType::F32 {
+        candle_core::bail!("gemv: output dtype {out:?} must be the input's ({:?}) or f32", x.dtype())
+    }
+    x.apply_op2_no_bwd(w, &Gemv { out })
+}
+
+fn dims(l1: &Layout, l2: &Layout) -> Result<(usize, usize, usize)> {
+    let (m, k) = l1.shape().dims2()?;
+    let (n, kw) = l2.shape().dims2()?;
+    if k != kw {
+        candle_core::bail!("gemv: x {:?} and w {:?} differ in k", l1.shape(), l2.shape())
+    }
+    Ok((m, n, k))
+}
+
+fn cpu_ref<T: WithDType, O: WithDType>(x: &[T], w: &[T], (m, n, k): (usize, usize, usize)) -> Vec<O> {
+    let mut y = Vec::with_capacity(m * n);
+    for i in 0..m {
+        let xr = &x[i * k..(i + 1) * k];
+        for r in 0..n {
+            let wr = &w[r * k..(r + 1) * k];
+            let s: f32 = xr.iter().zip(wr).map(|(a, b)| a.to_f64() as f32 * b.to_f64() as f32).sum();
+            y.push(O::from_f64(s as f64));
+        }
+    }
+    y
+}
+
+impl CustomOp2 for Gemv {
+    fn name(&self) -> &'static str {
+        "gemv"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let d = dims(l1, l2)?;
+        fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+            match l.contiguous_offsets() {
+                Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+                None => candle_core::bail!("gemv: inputs must be contiguous"),
+            }
+        }
+        use half::{bf16, f16};
+        let out = match (s1.dtype(), self.out) {
+            (DType::F32, _) => CpuStorage::F32(cpu_ref::<f32, f32>(slice(s1, l1)?, slice(s2, l2)?, d)),
+            (DType::F16, DType::F16) => CpuStorage::F16(cpu_ref::<f16, f16>(slice(s1, l1)?, slice(s2, l2)?, d)),
+            (DType::F16, DType::F32) => CpuStorage::F32(cpu_ref::<f16, f32>(slice(s1, l1)?, slice(s2, l2)?, d)),
+            (DType::BF16, DType::BF16) => CpuStorage::BF16(cpu_ref::<bf16, bf16>(slice(s1, l1)?, slice(s2, l2)?, d)),
+            (DType::BF16, DType::F32) => CpuStorage::F32(cpu_ref::<bf16, f32>(slice(s1, l1)?, slice(s2, l2)?, d)),
+            (dt, o) => candle_core::bail!("gemv: unsupported dtypes {dt:?} -> {o:?}"),
+        };
+        Ok((out, Shape::from((d.0, d.1))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
+        use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+        use candle_core::cuda_backend::{CudaDType, CudaStorage};
+        use half::{bf16, f16};
+
+        const WARPS: usize = 4; // GEMV_WARPS in cuda/gemv.cu
+        let (m, n, k) = dims(l1, l2)?;
+        let size = s1.dtype().size_in_bytes();
+        if !(1..=GEMV_MAX_M).contains(&m) || (k * size) % 16 != 0 {
+            candle_core::bail!("gemv: m {m} / k {k} out of the kernel's range")
+        }
+        for (l, what) in [(l1, "x"), (l2, "w")] {
+            if (l.start_offset() * size) % 16 != 0 {
+                candle_core::bail!("gemv: {what} starts at element {}, not 16-byte aligned", l.start_offset())
+            }
+        }
+        let bucket = match m {
+            1 => 1,
+            2 => 2,
+            3 | 4 => 4,
+            _ => 8,
+        };
+        fn launch<T: CudaDType + DeviceRepr, O: CudaDType + DeviceRepr>(
+            name: &str,
+            (m, n, k): (usize, usize, usize),
+            (s1, l1, s2, l2): (&CudaStorage, &Layout, &CudaStorage, &Layout),
+        ) -> Result<CudaStorage> {
+            let dev = s1.device();
+            let stream = dev.cuda_stream();
+            let x = contiguous_view::<T>(s1, l1, "x")?;
+            let w = contiguous_view::<T>(s2, l2, "w")?;
+            let y = unsafe { dev.alloc::<O>(m * n)? };
+            let func = dev.get_or_load_custom_func(name, "gemv", ptx::GEMV)?;
+            if n > 0 {
+                let cfg = LaunchConfig {
+                    grid_dim: (n.div_ceil(WARPS) as u32, 1, 1),
+                    block_dim: (32 * WARPS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let ((xp, _gx), (wp, _gw), (yp, _gy)) = (dptr(&x, &stream), dptr(&w, &stream), dptr(&y, &stream));
+                let ints = [m, n, k].map(|v| Arg::I32(v as i32));
+                unsafe { launch_pdl(&func, &stream, cfg, &[xp, wp, yp, ints[0], ints[1], ints[2]]) }?;
+            }
+            Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        }
+        let d = (m, n, k);
+        let args = (s1, l1, s2, l2);
+        let y = match (s1.dtype(), self.out) {
+            (DType::F32, DType::F32) => launch::<f32, f32>(&format!("gemv_f32_f32_m{bucket}"), d, args)?,
+            (DType::F16, DType::F16) => launch::<f16, f16>(&format!("gemv_f16_f16_m{bucket}"), d, args)?,
+            (DType::F16, DType::F32) => launch::<f16, f32>(&format!("gemv_f16_f32_m{bucket}"), d, args)?,
+            (DType::BF16, DType::BF16) => launch::<bf16, bf16>(&format!("gemv_bf16_bf16_m{bucket}"), d, args)?,
+            (DType::BF16, DType::F32) => launch::<bf16, f32>(&format!("gemv_bf16_f32_m{bucket}"), d, args)?,
+            (dt, o) => candle_core::bail!("gemv: unsupported dtypes {dt:?} -> {o:?}"),
+        };
+        Ok((y, Shape::from((m, n))))
+    }
+}
