@@ -163,8 +163,10 @@ fn sampler(args: &Args, greedy: bool) -> LogitsProcessor {
 fn run_ours(s: &common::Session, prompt: &[u32], args: &Args, max_ctx: usize) -> Result<Run> {
     let l = &s.loaded;
     let mut cache = Cache::with_capacity(max_ctx, s.kv_cache, s.dtype, &l.config, &s.device)?;
-    // Warm-up (kernel loading) outside the timings, as for stock below.
-    l.model.forward(&Tensor::new(&prompt[..prompt.len().min(1)], &s.device)?.unsqueeze(0)?, 0, &mut cache)?;
+    // Warm-up (kernel loading, cuBLAS set-up) outside the timings, as for stock below: two
+    // tokens, so that both the prefill matmuls (cuBLAS) and the batch-1 ones (our skinny
+    // matmul, the output head) are loaded before the prompt is timed.
+    l.model.forward(&Tensor::new(&prompt[..prompt.len().min(2)], &s.device)?.unsqueeze(0)?, 0, &mut cache)?;
     // Prefill through `forward`; each decode step is one replay of a captured CUDA graph
     // (eager on the CPU).
     let mut decoder = GraphDecoder::new(&l.model, 1, &s.device)?;
