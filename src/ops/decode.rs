@@ -57,12 +57,7 @@ fn cpu_vec<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
     t.flatten_all()?.to_vec1::<T>()
 }
 
-fn contiguous_slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => Err(msg(format!("{what} must be contiguous, got {l:?}"))),
-    }
-}
+use super::contiguous_slice;
 
 macro_rules! dispatch_float {
     ($dt:expr, $what:expr, $f:ident, $($args:expr),*) => {

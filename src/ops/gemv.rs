@@ -4,6 +4,7 @@
 //! `QLinear` takes this path on the GPU for dense weights when a call has at most
 //! [`GEMV_MAX_M`] rows and [`gemv_ok`] holds; larger calls go to cuBLAS through candle.
 
+use super::contiguous_slice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 
@@ -83,19 +84,13 @@ impl CustomOp2 for Gemv {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1, l2)?;
-        fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-            match l.contiguous_offsets() {
-                Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-                None => candle_core::bail!("gemv: inputs must be contiguous"),
-            }
-        }
         use half::{bf16, f16};
         let out = match (s1.dtype(), self.out) {
-            (DType::F32, _) => CpuStorage::F32(cpu_ref::<f32, f32>(slice(s1, l1)?, slice(s2, l2)?, d)),
-            (DType::F16, DType::F16) => CpuStorage::F16(cpu_ref::<f16, f16>(slice(s1, l1)?, slice(s2, l2)?, d)),
-            (DType::F16, DType::F32) => CpuStorage::F32(cpu_ref::<f16, f32>(slice(s1, l1)?, slice(s2, l2)?, d)),
-            (DType::BF16, DType::BF16) => CpuStorage::BF16(cpu_ref::<bf16, bf16>(slice(s1, l1)?, slice(s2, l2)?, d)),
-            (DType::BF16, DType::F32) => CpuStorage::F32(cpu_ref::<bf16, f32>(slice(s1, l1)?, slice(s2, l2)?, d)),
+            (DType::F32, _) => CpuStorage::F32(cpu_ref::<f32, f32>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
+            (DType::F16, DType::F16) => CpuStorage::F16(cpu_ref::<f16, f16>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
+            (DType::F16, DType::F32) => CpuStorage::F32(cpu_ref::<f16, f32>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
+            (DType::BF16, DType::BF16) => CpuStorage::BF16(cpu_ref::<bf16, bf16>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
+            (DType::BF16, DType::F32) => CpuStorage::F32(cpu_ref::<bf16, f32>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
             (dt, o) => candle_core::bail!("gemv: unsupported dtypes {dt:?} -> {o:?}"),
         };
         Ok((out, Shape::from((d.0, d.1))))

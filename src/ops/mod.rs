@@ -10,3 +10,16 @@ pub use decode::{advance_pos, decode_attention, embed_gather, rope_kv_append, si
 pub use gemv::{gemv, gemv_ok, Gemv, GEMV_MAX_M};
 pub use rms_norm::{add_rms_norm, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
+
+/// The elements of a contiguous CPU tensor (the CPU references' input), or an error naming
+/// `what` and its layout.
+pub(crate) fn contiguous_slice<'a, T: candle_core::WithDType>(
+    s: &'a candle_core::CpuStorage,
+    l: &candle_core::Layout,
+    what: &str,
+) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => candle_core::bail!("{what} must be contiguous, got {l:?}"),
+    }
+}

@@ -98,18 +98,11 @@ impl CustomOp3 for AddRmsNorm {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (rows, h) = check_layouts(l1, l2, l3)?;
-        fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-            let data = s.as_slice::<T>()?;
-            match l.contiguous_offsets() {
-                Some((a, b)) => Ok(&data[a..b]),
-                None => candle_core::bail!("add_rms_norm: inputs must be contiguous"),
-            }
-        }
         let eps = self.eps;
         let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(cpu_ref(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?, rows, h, eps)),
-            DType::F16 => CpuStorage::F16(cpu_ref(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?, rows, h, eps)),
-            DType::BF16 => CpuStorage::BF16(cpu_ref(slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?, rows, h, eps)),
+            DType::F32 => CpuStorage::F32(cpu_ref(super::contiguous_slice(s1, l1, "x")?, super::contiguous_slice(s2, l2, "res")?, super::contiguous_slice(s3, l3, "w")?, rows, h, eps)),
+            DType::F16 => CpuStorage::F16(cpu_ref(super::contiguous_slice(s1, l1, "x")?, super::contiguous_slice(s2, l2, "res")?, super::contiguous_slice(s3, l3, "w")?, rows, h, eps)),
+            DType::BF16 => CpuStorage::BF16(cpu_ref(super::contiguous_slice(s1, l1, "x")?, super::contiguous_slice(s2, l2, "res")?, super::contiguous_slice(s3, l3, "w")?, rows, h, eps)),
             dt => candle_core::bail!("add_rms_norm: unsupported dtype {dt:?} (f32, f16, bf16)"),
         };
         Ok((out, out_shape(l1)))
