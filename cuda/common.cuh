@@ -17,6 +17,23 @@ template <> __device__ __forceinline__ float from_f32<float>(float v) { return v
 template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// The 16 / sizeof(T) elements of a 16-byte vector of T, as f32.
+template <typename T> __device__ __forceinline__ void unpack16(uint4 v, float* out);
+template <> __device__ __forceinline__ void unpack16<float>(uint4 v, float* out) {
+    out[0] = __uint_as_float(v.x); out[1] = __uint_as_float(v.y);
+    out[2] = __uint_as_float(v.z); out[3] = __uint_as_float(v.w);
+}
+template <> __device__ __forceinline__ void unpack16<__half>(uint4 v, float* out) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { const float2 f = __half22float2(h[e]); out[2 * e] = f.x; out[2 * e + 1] = f.y; }
+}
+template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(uint4 v, float* out) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); out[2 * e] = f.x; out[2 * e + 1] = f.y; }
+}
+
 // Programmatic dependent launch (sm_90+; no-ops before, and when the launch did not ask
 // for it). `pdl_trigger`: the next kernel in the stream may start launching its blocks.
 // `pdl_wait`: block until every earlier kernel has finished and its writes are visible.

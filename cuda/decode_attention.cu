@@ -32,23 +32,6 @@ using namespace lowbit;
 #define ATTN_THREADS 128
 #define ATTN_UNROLL 4
 
-// v[e] of a 16-byte vector of T, as f32.
-template <typename T> __device__ __forceinline__ void unpack16(uint4 v, float* out);
-template <> __device__ __forceinline__ void unpack16<float>(uint4 v, float* out) {
-    out[0] = __uint_as_float(v.x); out[1] = __uint_as_float(v.y);
-    out[2] = __uint_as_float(v.z); out[3] = __uint_as_float(v.w);
-}
-template <> __device__ __forceinline__ void unpack16<__half>(uint4 v, float* out) {
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) { const float2 f = __half22float2(h[e]); out[2 * e] = f.x; out[2 * e + 1] = f.y; }
-}
-template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(uint4 v, float* out) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); out[2 * e] = f.x; out[2 * e + 1] = f.y; }
-}
-
 // grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem
 // (g*hd + g*chunk + ATTN_THREADS*VEC*g) floats.
 template <typename T>

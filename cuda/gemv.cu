@@ -32,34 +32,14 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 }
 
 // Dot product of one 16-byte chunk of w with the same chunk of x, in f32.
-template <typename T> __device__ __forceinline__ float dot16(uint4 w, uint4 x);
-
-template <> __device__ __forceinline__ float dot16<float>(uint4 w, uint4 x) {
-    return __uint_as_float(w.x) * __uint_as_float(x.x) + __uint_as_float(w.y) * __uint_as_float(x.y) +
-           __uint_as_float(w.z) * __uint_as_float(x.z) + __uint_as_float(w.w) * __uint_as_float(x.w);
-}
-
-template <> __device__ __forceinline__ float dot16<__half>(uint4 w, uint4 x) {
-    const __half2* wh = reinterpret_cast<const __half2*>(&w);
-    const __half2* xh = reinterpret_cast<const __half2*>(&x);
+template <typename T> __device__ __forceinline__ float dot16(uint4 w, uint4 x) {
+    constexpr int VEC = 16 / sizeof(T);
+    float a[VEC], b[VEC];
+    unpack16<T>(w, a);
+    unpack16<T>(x, b);
     float s = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const float2 a = __half22float2(wh[e]), b = __half22float2(xh[e]);
-        s += a.x * b.x + a.y * b.y;
-    }
-    return s;
-}
-
-template <> __device__ __forceinline__ float dot16<__nv_bfloat16>(uint4 w, uint4 x) {
-    const __nv_bfloat162* wh = reinterpret_cast<const __nv_bfloat162*>(&w);
-    const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&x);
-    float s = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const float2 a = __bfloat1622float2(wh[e]), b = __bfloat1622float2(xh[e]);
-        s += a.x * b.x + a.y * b.y;
-    }
+    for (int e = 0; e < VEC; ++e) s += a[e] * b[e];
     return s;
 }
 
