@@ -34,6 +34,26 @@ template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(uint4 v, flo
     for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); out[2 * e] = f.x; out[2 * e + 1] = f.y; }
 }
 
+// The inverse: 16 / sizeof(T) f32 values rounded to T (round to nearest) in one vector.
+template <typename T> __device__ __forceinline__ uint4 pack16(const float* in);
+template <> __device__ __forceinline__ uint4 pack16<float>(const float* in) {
+    return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]), __float_as_uint(in[3]));
+}
+template <> __device__ __forceinline__ uint4 pack16<__half>(const float* in) {
+    uint4 v;
+    __half2* h = reinterpret_cast<__half2*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) h[e] = __floats2half2_rn(in[2 * e], in[2 * e + 1]);
+    return v;
+}
+template <> __device__ __forceinline__ uint4 pack16<__nv_bfloat16>(const float* in) {
+    uint4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) h[e] = __floats2bfloat162_rn(in[2 * e], in[2 * e + 1]);
+    return v;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops before, and when the launch did not ask
 // for it). `pdl_trigger`: the next kernel in the stream may start launching its blocks.
 // `pdl_wait`: block until every earlier kernel has finished and its writes are visible.

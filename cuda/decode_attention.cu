@@ -15,9 +15,11 @@
 //   part_ml  [b, nh, n_split, 2] f32  scratch: (max score, sum of exp) per chunk
 //   counters [b, nkv] u32             zero between launches (the merging block resets it)
 //   out      [b, nh, hd] T
-// Chunks are `chunk` keys (a host choice from the cache capacity); n_split =
-// ceil(max_len / chunk) is fixed by the capacity and chunks past pos exit at once, so the
-// launch shape does not depend on pos.
+// The launch shape is fixed by the capacity, not by pos: n_split = ceil(max_len / chunk)
+// blocks per KV head, `chunk` (a host choice) bounding the keys per block. Each launch
+// spreads the len = pos + 1 keys over those blocks: c = clamp(ceil(len / n_split),
+// ATTN_MIN_CHUNK, chunk) keys per block, so a short context still keeps many blocks busy
+// (129 keys: 5 blocks of 32 per KV head) and blocks past the last key exit at once.
 //
 // Work split in a block (ATTN_THREADS threads): K and V rows are read as 16-byte vectors,
 // LPK = hd / VEC lanes per row (VEC = 16 / sizeof(T)), ATTN_THREADS / LPK rows at a time,
@@ -31,6 +33,7 @@ using namespace lowbit;
 #define ATTN_MAX_G 8
 #define ATTN_THREADS 128
 #define ATTN_UNROLL 4
+#define ATTN_MIN_CHUNK 32
 
 // grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem
 // (g*hd + g*chunk + ATTN_THREADS*VEC*g) floats.
@@ -51,10 +54,11 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
     const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
     const int g = nh / nkv;
     const int len = (int)pos_p[0] + 1;
-    const int start = split * chunk;
+    const int c = min(chunk, max(ATTN_MIN_CHUNK, (len + n_split - 1) / n_split));  // keys per block
+    const int start = split * c;
     if (start >= len) return;
-    const int end = min(start + chunk, len), n = end - start;
-    const int n_active = (len + chunk - 1) / chunk;
+    const int end = min(start + c, len), n = end - start;
+    const int n_active = (len + c - 1) / c;
     const int pad = (int)pads[s];
     const int lpk = hd / VEC;               // lanes per K/V row
     const int rows_per_pass = ATTN_THREADS / lpk;

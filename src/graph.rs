@@ -14,7 +14,9 @@ use candle_core::{DType, Device, Result, Tensor};
 /// How the decoder runs its steps.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Mode {
-    /// Not yet decided (capture happens on the first step).
+    /// Not yet decided: the first step runs eagerly (so workspaces that candle and cuBLAS
+    /// grow on first use at this batch size are allocated outside capture), the second is
+    /// captured.
     Pending,
     /// Replaying a captured CUDA graph.
     Graph,
@@ -33,6 +35,9 @@ pub struct GraphDecoder {
     mode: Mode,
     #[cfg(feature = "cuda")]
     captured_generation: u64,
+    /// Whether one eager step has run (capture waits for it).
+    #[cfg(feature = "cuda")]
+    warmed: bool,
     #[cfg(feature = "cuda")]
     graph: Option<candle_core::cuda_backend::cudarc::driver::CudaGraph>,
 }
@@ -53,6 +58,8 @@ impl GraphDecoder {
             mode: Mode::Pending,
             #[cfg(feature = "cuda")]
             captured_generation: 0,
+            #[cfg(feature = "cuda")]
+            warmed: false,
             #[cfg(feature = "cuda")]
             graph: None,
         })
@@ -112,6 +119,13 @@ impl GraphDecoder {
         if self.mode == Mode::Graph && self.captured_generation != cache.generation {
             self.graph = None;
             self.mode = Mode::Pending;
+        }
+        if self.mode == Mode::Pending && !self.warmed {
+            // E.g. candle's quantized matmul grows a process-wide activation workspace the
+            // first time it sees a larger batch; growing it inside a capture frees the old
+            // buffer there, which the driver refuses (CUDA_ERROR_INVALID_VALUE).
+            self.warmed = true;
+            return self.eager(model, cache, pos);
         }
         if self.mode == Mode::Pending {
             if let Err(why) = self.capture(model, cache, pos) {

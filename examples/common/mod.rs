@@ -146,6 +146,9 @@ pub fn describe(s: &Session) -> Result<String> {
 /// What stock candle runs for this source (for `--compare` output).
 pub fn stock_name(source: &ModelSource, dtype: DType) -> String {
     match source {
+        ModelSource::Gguf(_) if std::env::var_os("CANDLE_DEQUANTIZE_ALL").is_some() => {
+            "stock candle quantized_llama (the GGUF's weights dequantized: CANDLE_DEQUANTIZE_ALL)".to_string()
+        }
         ModelSource::Gguf(_) => "stock candle quantized_llama (the GGUF's own weights)".to_string(),
         ModelSource::HfDir(_) => format!("stock candle llama (dense {})", dtype.as_str()),
     }

@@ -139,8 +139,10 @@ pub(super) fn rope_kv_append(
     }
 }
 
-/// Keys per block for a cache of `max_len` rows: small chunks for short caches (enough
-/// blocks to keep the GPU busy), longer ones for long caches (fewer partials to merge).
+/// Most keys per block for a cache of `max_len` rows (it sizes shared memory and fixes
+/// the launch at `ceil(max_len / chunk)` blocks per KV head; each launch then spreads the
+/// current keys over those blocks, at least 32 per block, see cuda/decode_attention.cu):
+/// small for short caches, longer for long caches (fewer partials to merge).
 fn attn_chunk(max_len: usize) -> usize {
     match max_len {
         0..=2048 => 64,
