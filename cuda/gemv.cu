@@ -9,6 +9,9 @@
 //   x   [m, k] T      activations (m <= GEMV_MAX_M)
 //   w   [n, k] T      weight, one output feature per row (candle_nn::Linear layout)
 //   y   [m, n] OUT    y[i, r] = sum_j x[i, j] * w[r, j], accumulated in f32, rounded once
+// gemv_silu_mul (the MLP's gate/up projection with SiLU·mul fused):
+//   w   [2 * inter, k] T   gate rows, then up rows
+//   y   [m, inter] T       silu(x · gate_r) * (x · up_r), rounded as the unfused pair
 // Alignment (checked on the host): k * sizeof(T) is a multiple of 16 and x, w start on
 // 16-byte boundaries, so rows are read as uint4 (8 halves or 4 floats per load).
 //
@@ -43,52 +46,99 @@ template <typename T> __device__ __forceinline__ float dot16(uint4 w, uint4 x) {
     return s;
 }
 
-// grid ceil(n / GEMV_WARPS), block 32 * GEMV_WARPS. M: compile-time bound on m (1, 2, 4, 8).
-// A lane issues GEMV_UNROLL loads of W (predicated at the row's end) before using any.
-// Few loads per lane and few registers (38 for f16, m = 1) beat deep per-lane batches:
-// more resident warps keep as many bytes in flight and the grid runs in fewer waves
-// (H200, f16, m = 1: 4096x4096 12.3 µs with 4 loads per lane against 13.5 with 16, and
-// 11008x4096 23.7 against 25.0; Llama-2-7B decode 4.21 ms/token against 4.41). The first batch is loaded
-// before `pdl_wait` (W is never written by a kernel), so under programmatic dependent
-// launch it streams in while the previous kernel finishes.
-template <typename T, typename OUT, int M>
-__device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, OUT* __restrict__ y, int m,
-                     int n, int k) {
-    pdl_trigger();
+// The dot products of x's m rows with R rows of W (`w_rows`), summed over the warp: every
+// lane of the warp gets acc[r][i] = x[i] · w_rows[r]. A lane issues GEMV_UNROLL loads per
+// row of W (predicated at the row's end) before using any. Few loads per lane and few
+// registers (40 for f16, m = 1) beat deep per-lane batches: more resident warps keep as
+// many bytes in flight and the grid runs in fewer waves (H200, f16, m = 1: 4096x4096
+// 12.3 µs with 4 loads per lane against 13.5 with 16, and 11008x4096 23.7 against 25.0;
+// Llama-2-7B decode 4.21 ms/token against 4.41). The first batch is loaded before
+// `pdl_wait` (W is never written by a kernel), so under programmatic dependent launch it
+// streams in while the previous kernel finishes.
+template <typename T, int M, int R>
+__device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* const (&w_rows)[R], int m, int k,
+                                          float (&acc)[R][M]) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= n) return;
     const int nvec = k * (int)sizeof(T) / 16;  // uint4 chunks per row
-    const uint4* w_gl_rd = reinterpret_cast<const uint4*>(w + (size_t)row * k);
     const uint4* x_gl_rd = reinterpret_cast<const uint4*>(x);
-    float acc[M];
 #pragma unroll
-    for (int i = 0; i < M; ++i) acc[i] = 0.f;
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
     for (int base = 0; base < nvec; base += 32 * GEMV_UNROLL) {
-        uint4 wv[GEMV_UNROLL];
+        uint4 wv[R][GEMV_UNROLL];
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int c = base + lane + 32 * u;
-            wv[u] = c < nvec ? ld_stream(w_gl_rd + c) : make_uint4(0, 0, 0, 0);
-        }
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int c = base + lane + 32 * u;
+                wv[r][u] = c < nvec ? ld_stream(w_rows[r] + c) : make_uint4(0, 0, 0, 0);
+            }
         if (base == 0) pdl_wait();
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
             const int c = base + lane + 32 * u;
             if (c < nvec) {
 #pragma unroll
-                for (int i = 0; i < M; ++i)
-                    if (i < m) acc[i] += dot16<T>(wv[u], __ldg(x_gl_rd + (size_t)i * nvec + c));
+                for (int i = 0; i < M; ++i) {
+                    if (i < m) {
+                        const uint4 xv = __ldg(x_gl_rd + (size_t)i * nvec + c);
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[r][i] += dot16<T>(wv[r][u], xv);
+                    }
+                }
             }
         }
     }
     if (nvec == 0) pdl_wait();
 #pragma unroll
-    for (int i = 0; i < M; ++i) {
-        if (i < m) {
-            const float s = warp_sum(acc[i]);
-            if (lane == 0) y[(size_t)i * n + row] = from_f32<OUT>(s);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < M; ++i) acc[r][i] = warp_sum(acc[r][i]);
+}
+
+// y = x · Wᵀ. grid ceil(n / GEMV_WARPS), block 32 * GEMV_WARPS, one warp per output row.
+// M: compile-time bound on m (1, 2, 4, 8).
+template <typename T, typename OUT, int M>
+__device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, OUT* __restrict__ y, int m,
+                     int n, int k) {
+    pdl_trigger();
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const uint4* rows[1] = {reinterpret_cast<const uint4*>(w + (size_t)row * k)};
+    float acc[1][M];
+    warp_dots<T, M, 1>(x, rows, m, k, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int i = 0; i < M; ++i)
+            if (i < m) y[(size_t)i * n + row] = from_f32<OUT>(acc[0][i]);
+    }
+}
+
+// Gate/up projection with SiLU·mul in its epilogue: W [2 * inter, k] holds the gate rows
+// then the up rows; y [m, inter] T = silu(x · gate_r) * (x · up_r). One warp per output
+// column r reads gate row r and up row r + inter together. Rounded exactly as the unfused
+// pair (gemv to T, then silu_mul of decode.cu): gate and up sums to T, silu(g) to T, the
+// product to T, so fused and unfused agree bit for bit.
+template <typename T, int M>
+__device__ void gemv_silu_mul(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int m,
+                              int inter, int k) {
+    pdl_trigger();
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= inter) return;
+    const uint4* rows[2] = {reinterpret_cast<const uint4*>(w + (size_t)row * k),
+                            reinterpret_cast<const uint4*>(w + ((size_t)row + inter) * k)};
+    float acc[2][M];
+    warp_dots<T, M, 2>(x, rows, m, k, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+            if (i < m) {
+                const float g = to_f32(from_f32<T>(acc[0][i])), u = to_f32(from_f32<T>(acc[1][i]));
+                const float sg = to_f32(from_f32<T>(g / (1.f + __expf(-g))));
+                y[(size_t)i * inter + row] = from_f32<T>(sg * u);
+            }
         }
     }
 }
@@ -110,3 +160,19 @@ GEMV_KERNELS(f16, __half, f16, __half)
 GEMV_KERNELS(f16, __half, f32, float)
 GEMV_KERNELS(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
 GEMV_KERNELS(bf16, __nv_bfloat16, f32, float)
+
+#define GEMV_SILU_KERNEL(SUF, T, M)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                                  \
+        gemv_silu_mul_##SUF##_m##M(const T* x, const T* w, T* y, int m, int inter, int k) {        \
+        gemv_silu_mul<T, M>(x, w, y, m, inter, k);                                                 \
+    }
+
+#define GEMV_SILU_KERNELS(SUF, T)                                                                  \
+    GEMV_SILU_KERNEL(SUF, T, 1)                                                                    \
+    GEMV_SILU_KERNEL(SUF, T, 2)                                                                    \
+    GEMV_SILU_KERNEL(SUF, T, 4)                                                                    \
+    GEMV_SILU_KERNEL(SUF, T, 8)
+
+GEMV_SILU_KERNELS(f32, float)
+GEMV_SILU_KERNELS(f16, __half)
+GEMV_SILU_KERNELS(bf16, __nv_bfloat16)

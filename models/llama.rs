@@ -12,7 +12,7 @@
 
 use crate::kv_cache::{causal_mask, KvCache, KvFormat};
 use crate::linear::{QLinear, WeightFormat};
-use crate::ops::{add_rms_norm, embed_gather, silu_mul, Heads, StepPositions};
+use crate::ops::{add_rms_norm, embed_gather, Heads, StepPositions};
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -277,7 +277,7 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.down.forward(&silu_mul(&self.gate_up.forward(x)?)?)
+        self.down.forward(&self.gate_up.forward_silu_mul(x)?)
     }
 }
 
@@ -434,8 +434,10 @@ impl Llama {
     }
 
     /// One decode step for the graph decoder: ids `[b]` and the position on the device;
-    /// 9 launches per layer (two fused add + RMSNorm, the QKV, o, gate/up and down
-    /// projections, RoPE + KV append, one decode-attention launch, SiLU·mul) and 5 more per
+    /// 8 launches per layer for dense weights at batch 1 (two fused add + RMSNorm, the QKV,
+    /// o, gate/up with SiLU·mul, and down projections, RoPE + KV append, one decode-attention
+    /// launch; cuBLAS's split-K down projection adds its reduce kernel; SiLU·mul is its own
+    /// launch where the gate/up layer is not a dense batch-1 one) and 5 more per
     /// token (embedding, first norm, output head, logits copy, position advance); GGML
     /// formats add candle's activation quantization before each projection.
     /// writes f32 logits `[b, vocab]` into `logits` and advances `pos` by one. Every launch

@@ -229,6 +229,26 @@ impl QLinear {
             _ => self.forward(x)?.to_dtype(DType::F32),
         }
     }
+
+    /// `ops::silu_mul(&self.forward(x)?)` for a gate/up layer (weight rows: gate, then up):
+    /// `[.., 2 I]` → `[.., I]`. Dense weights on the GPU at decode sizes do it in one
+    /// launch (`ops::gemv_silu_mul`, bit-identical to the pair).
+    pub fn forward_silu_mul(&self, x: &Tensor) -> Result<Tensor> {
+        if let Self::Dense { w, b: None } = self {
+            let k = w.dim(1)?;
+            if x.dim(candle_core::D::Minus1)? == k && w.dim(0)? % 2 == 0 {
+                let x2 = x.reshape((x.elem_count() / k.max(1), k))?;
+                if use_gemv(&x2, w) {
+                    let mut dims = x.dims().to_vec();
+                    if let Some(last) = dims.last_mut() {
+                        *last = w.dim(0)? / 2;
+                    }
+                    return crate::ops::gemv_silu_mul(&x2, w)?.reshape(dims);
+                }
+            }
+        }
+        crate::ops::silu_mul(&self.forward(x)?)
+    }
 }
 
 impl Module for QLinear {

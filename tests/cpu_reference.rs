@@ -5,7 +5,7 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_lowbit::kv_cache::causal_mask;
-use candle_lowbit::ops::{add_rms_norm, advance_pos, embed_gather, silu_mul, Heads, StepPositions};
+use candle_lowbit::ops::{add_rms_norm, advance_pos, embed_gather, gemv, gemv_silu_mul, silu_mul, Heads, StepPositions};
 use candle_lowbit::{KvCache, KvFormat, QLinear, WeightFormat};
 use common::{assert_close, randn};
 
@@ -218,5 +218,27 @@ fn decode_ops_match_candle() -> Result<()> {
     let pos = Tensor::new(&[7u32], &dev)?;
     advance_pos(&pos, 3)?;
     assert_eq!(pos.to_vec1::<u32>()?, vec![10]);
+    Ok(())
+}
+
+/// The skinny matmul's CPU reference against candle's matmul, and the fused gate/up +
+/// SiLU·mul against the pair it replaces (exactly: same sums, same roundings).
+#[test]
+fn gemv_references() -> Result<()> {
+    let dev = Device::Cpu;
+    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
+        for (si, &(m, n, k)) in [(1usize, 37usize, 64usize), (3, 10, 576), (8, 6, 8)].iter().enumerate() {
+            let x = randn(80 + si as u64, &[m, k], 1.0, dtype, &dev)?;
+            let w = randn(90 + si as u64, &[2 * n, k], 1.0 / (k as f32).sqrt(), dtype, &dev)?;
+            let y = gemv(&x, &w, dtype)?;
+            let mm = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+            assert_close(&y.to_dtype(DType::F32)?, &mm, tol, tol, &format!("gemv {dtype:?} m{m} n{} k{k}", 2 * n))?;
+            let fused = gemv_silu_mul(&x, &w)?;
+            assert_close(&fused, &silu_mul(&y)?, 0.0, 0.0, &format!("gemv_silu_mul {dtype:?} m{m} n{n} k{k}"))?;
+        }
+    }
+    let x = randn(1, &[1, 64], 1.0, DType::F32, &dev)?;
+    let err = gemv_silu_mul(&x, &randn(2, &[7, 64], 1.0, DType::F32, &dev)?).unwrap_err().to_string();
+    assert!(err.contains("even"), "{err}");
     Ok(())
 }

@@ -201,6 +201,21 @@ fn gemv_cuda_matches_cpu() -> Result<()> {
             }
         }
     }
+    // Gate/up with SiLU·mul fused: against its CPU reference, and bit for bit against the
+    // unfused pair on the GPU.
+    use candle_lowbit::ops::{gemv_silu_mul, silu_mul};
+    for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::F16, 4e-3), (DType::BF16, 3e-2)] {
+        for (si, &(m, n, k)) in [(1usize, 1001usize, 584usize), (1, 2752, 4096), (3, 333, 1000), (8, 17, 11008)].iter().enumerate() {
+            let x = randn(100 + si as u64, &[m, k], 1.0, dtype, &cpu)?;
+            let w = randn(110 + si as u64, &[2 * n, k], 1.0 / (k as f32).sqrt(), dtype, &cpu)?;
+            let what = format!("gemv_silu_mul {dtype:?} m{m} n{n} k{k}");
+            let (xg, wg) = (x.to_device(&dev)?, w.to_device(&dev)?);
+            let got = gemv_silu_mul(&xg, &wg)?;
+            assert_close(&got.to_device(&cpu)?, &gemv_silu_mul(&x, &w)?, tol, tol, &what)?;
+            let pair = silu_mul(&gemv(&xg, &wg, dtype)?)?;
+            assert_close(&got.to_device(&cpu)?, &pair.to_device(&cpu)?, 0.0, 0.0, &format!("{what} vs the pair"))?;
+        }
+    }
     // Not taken as is: a misaligned view and too many rows.
     let x = randn(70, &[9, 64], 1.0, DType::F16, &dev)?;
     let w = randn(71, &[32, 64], 1.0, DType::F16, &dev)?;

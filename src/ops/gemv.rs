@@ -3,6 +3,8 @@
 //!
 //! `QLinear` takes this path on the GPU for dense weights when a call has at most
 //! [`GEMV_MAX_M`] rows and [`gemv_ok`] holds; larger calls go to cuBLAS through candle.
+//! [`gemv_silu_mul`] is the MLP's gate/up projection with SiLU·mul in the epilogue (one
+//! launch instead of two, bit-identical to `silu_mul(gemv(x, w))`).
 
 use super::contiguous_slice;
 use candle_core::backend::BackendStorage;
@@ -11,10 +13,13 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, W
 /// Most activation rows the kernel takes.
 pub const GEMV_MAX_M: usize = 8;
 
-/// `x [m, k]` · `w [n, k]`ᵀ → `[m, n]` in `out` (the inputs' dtype, or f32).
+/// `x [m, k]` · `w [n, k]`ᵀ → `[m, n]` in `out` (the inputs' dtype, or f32); with
+/// `silu_mul`, `w` holds gate rows then up rows and the result is `[m, n / 2]` =
+/// `silu(gate) * up` in the inputs' dtype.
 #[derive(Debug, Clone, Copy)]
 pub struct Gemv {
     pub out: DType,
+    pub silu_mul: bool,
 }
 
 /// Whether [`gemv`] takes `x [m, k]` and `w [n, k]` as they are: same dtype (f32, f16 or
@@ -52,7 +57,24 @@ pub fn gemv(x: &Tensor, w: &Tensor, out: DType) -> Result<Tensor> {
     if out != x.dtype() && out != DType::F32 {
         candle_core::bail!("gemv: output dtype {out:?} must be the input's ({:?}) or f32", x.dtype())
     }
-    x.apply_op2_no_bwd(w, &Gemv { out })
+    x.apply_op2_no_bwd(w, &Gemv { out, silu_mul: false })
+}
+
+/// The gate/up projection with SiLU·mul fused: `w [2 I, k]` holds the gate rows then the up
+/// rows; returns `silu(x · gateᵀ) * (x · upᵀ)`, `[m, I]` in x's dtype, rounded exactly as
+/// `ops::silu_mul(&gemv(x, w, x.dtype())?)`. Errors unless [`gemv_ok`] and `w` has an
+/// even number of rows.
+pub fn gemv_silu_mul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if !gemv_ok(x, w) || w.dim(0)? % 2 != 0 {
+        candle_core::bail!(
+            "gemv_silu_mul: x {:?} {:?} / w {:?} {:?} not supported (as gemv, and w's rows gate then up: an even count)",
+            x.shape(),
+            x.dtype(),
+            w.shape(),
+            w.dtype()
+        )
+    }
+    x.apply_op2_no_bwd(w, &Gemv { out: x.dtype(), silu_mul: true })
 }
 
 fn dims(l1: &Layout, l2: &Layout) -> Result<(usize, usize, usize)> {
@@ -77,14 +99,46 @@ fn cpu_ref<T: WithDType, O: WithDType>(x: &[T], w: &[T], (m, n, k): (usize, usiz
     y
 }
 
+/// `silu(gate) * up` over rows of `y [m, 2 I]` (T-rounded sums), rounded as `silu_mul`.
+fn cpu_silu_mul<T: WithDType>(y: &[T], inter: usize) -> Vec<T> {
+    let (f, t) = (|v: T| v.to_f64() as f32, |v: f32| T::from_f64(v as f64));
+    y.chunks(2 * inter.max(1))
+        .flat_map(|row| {
+            (0..inter).map(move |c| {
+                let g = f(row[c]);
+                let sg = f(t(g / (1. + (-g).exp())));
+                t(sg * f(row[inter + c]))
+            })
+        })
+        .collect()
+}
+
 impl CustomOp2 for Gemv {
     fn name(&self) -> &'static str {
-        "gemv"
+        if self.silu_mul {
+            "gemv-silu-mul"
+        } else {
+            "gemv"
+        }
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1, l2)?;
         use half::{bf16, f16};
+        if self.silu_mul {
+            let (m, n, _) = d;
+            fn run<T: WithDType>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, d: (usize, usize, usize)) -> Result<CpuStorage> {
+                let y = cpu_ref::<T, T>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d);
+                Ok(T::to_cpu_storage_owned(cpu_silu_mul(&y, d.1 / 2)))
+            }
+            let out = match s1.dtype() {
+                DType::F32 => run::<f32>(s1, l1, s2, l2, d)?,
+                DType::F16 => run::<f16>(s1, l1, s2, l2, d)?,
+                DType::BF16 => run::<bf16>(s1, l1, s2, l2, d)?,
+                dt => candle_core::bail!("gemv_silu_mul: unsupported dtype {dt:?}"),
+            };
+            return Ok((out, Shape::from((m, n / 2))));
+        }
         let out = match (s1.dtype(), self.out) {
             (DType::F32, _) => CpuStorage::F32(cpu_ref::<f32, f32>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
             (DType::F16, DType::F16) => CpuStorage::F16(cpu_ref::<f16, f16>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
@@ -126,6 +180,7 @@ impl CustomOp2 for Gemv {
             3 | 4 => 4,
             _ => 8,
         };
+        // `n` output columns per activation row (the gemv's n, or I for SiLU·mul).
         fn launch<T: CudaDType + DeviceRepr, O: CudaDType + DeviceRepr>(
             name: &str,
             (m, n, k): (usize, usize, usize),
@@ -149,8 +204,18 @@ impl CustomOp2 for Gemv {
             }
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
-        let d = (m, n, k);
         let args = (s1, l1, s2, l2);
+        if self.silu_mul {
+            let d = (m, n / 2, k);
+            let y = match s1.dtype() {
+                DType::F32 => launch::<f32, f32>(&format!("gemv_silu_mul_f32_m{bucket}"), d, args)?,
+                DType::F16 => launch::<f16, f16>(&format!("gemv_silu_mul_f16_m{bucket}"), d, args)?,
+                DType::BF16 => launch::<bf16, bf16>(&format!("gemv_silu_mul_bf16_m{bucket}"), d, args)?,
+                dt => candle_core::bail!("gemv_silu_mul: unsupported dtype {dt:?}"),
+            };
+            return Ok((y, Shape::from((m, n / 2))));
+        }
+        let d = (m, n, k);
         let y = match (s1.dtype(), self.out) {
             (DType::F32, DType::F32) => launch::<f32, f32>(&format!("gemv_f32_f32_m{bucket}"), d, args)?,
             (DType::F16, DType::F16) => launch::<f16, f16>(&format!("gemv_f16_f16_m{bucket}"), d, args)?,
