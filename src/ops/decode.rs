@@ -166,6 +166,21 @@ pub fn silu_mul(gu: &Tensor) -> Result<Tensor> {
 
 struct SiluMul;
 
+/// `silu(gate) * up` over rows `[gate (inter), up (inter)]` of `gu`, with silu(gate) rounded
+/// to T before the product (as the unfused candle ops do): the CPU reference of
+/// `silu_mul` and of the fused `gemv_silu_mul`.
+pub(super) fn silu_mul_ref<T: WithDType>(gu: &[T], inter: usize) -> Vec<T> {
+    gu.chunks(2 * inter.max(1))
+        .flat_map(|row| {
+            (0..inter).map(move |c| {
+                let g = f(row[c]);
+                let sg = f(t::<T>(g / (1. + (-g).exp())));
+                t::<T>(sg * f(row[inter + c]))
+            })
+        })
+        .collect()
+}
+
 fn silu_mul_shape(l: &Layout) -> Shape {
     let mut d = l.shape().dims().to_vec();
     if let Some(last) = d.last_mut() {
@@ -183,18 +198,7 @@ impl CustomOp1 for SiluMul {
         let shape = silu_mul_shape(l);
         let inter = *shape.dims().last().unwrap_or(&0);
         fn run<T: WithDType>(s: &CpuStorage, l: &Layout, inter: usize) -> Result<CpuStorage> {
-            let gu = contiguous_slice::<T>(s, l, "gu")?;
-            let out = gu
-                .chunks(2 * inter.max(1))
-                .flat_map(|row| {
-                    (0..inter).map(move |c| {
-                        let g = f(row[c]);
-                        let sg = f(t::<T>(g / (1. + (-g).exp())));
-                        t::<T>(sg * f(row[inter + c]))
-                    })
-                })
-                .collect();
-            Ok(T::to_cpu_storage_owned(out))
+            Ok(T::to_cpu_storage_owned(silu_mul_ref(contiguous_slice::<T>(s, l, "gu")?, inter)))
         }
         Ok((dispatch_float!(s.dtype(), "silu_mul", run, s, l, inter)?, shape))
     }

@@ -99,20 +99,6 @@ fn cpu_ref<T: WithDType, O: WithDType>(x: &[T], w: &[T], (m, n, k): (usize, usiz
     y
 }
 
-/// `silu(gate) * up` over rows of `y [m, 2 I]` (T-rounded sums), rounded as `silu_mul`.
-fn cpu_silu_mul<T: WithDType>(y: &[T], inter: usize) -> Vec<T> {
-    let (f, t) = (|v: T| v.to_f64() as f32, |v: f32| T::from_f64(v as f64));
-    y.chunks(2 * inter.max(1))
-        .flat_map(|row| {
-            (0..inter).map(move |c| {
-                let g = f(row[c]);
-                let sg = f(t(g / (1. + (-g).exp())));
-                t(sg * f(row[inter + c]))
-            })
-        })
-        .collect()
-}
-
 impl CustomOp2 for Gemv {
     fn name(&self) -> &'static str {
         if self.silu_mul {
@@ -129,7 +115,7 @@ impl CustomOp2 for Gemv {
             let (m, n, _) = d;
             fn run<T: WithDType>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, d: (usize, usize, usize)) -> Result<CpuStorage> {
                 let y = cpu_ref::<T, T>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d);
-                Ok(T::to_cpu_storage_owned(cpu_silu_mul(&y, d.1 / 2)))
+                Ok(T::to_cpu_storage_owned(super::decode::silu_mul_ref(&y, d.1 / 2)))
             }
             let out = match s1.dtype() {
                 DType::F32 => run::<f32>(s1, l1, s2, l2, d)?,
