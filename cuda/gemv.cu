@@ -15,8 +15,10 @@
 // Alignment (checked on the host): k * sizeof(T) is a multiple of 16 and x, w start on
 // 16-byte boundaries, so rows are read as uint4 (8 halves or 4 floats per load).
 //
-// Work split: one warp per output row; GEMV_WARPS warps per block. A lane reads chunks
-// lane, lane + 32, ... of its row, GEMV_UNROLL chunks per batch. W is read with
+// Work split: WPR warps per output row (1 for rows up to 8192 wide, 4 for longer ones:
+// host choice), GEMV_WARPS warps per block, so a block covers GEMV_WARPS / WPR rows. Warp
+// j of a row reads batches j, j + WPR, ... of GEMV_UNROLL 16-byte chunks per lane; the
+// WPR partial sums meet in shared memory, added in warp order (deterministic). W is read with
 // L1::no_allocate (it is touched once); x is small and stays in L1/L2.
 #include "common.cuh"
 
@@ -46,8 +48,10 @@ template <typename T> __device__ __forceinline__ float dot16(uint4 w, uint4 x) {
     return s;
 }
 
-// The dot products of x's m rows with R rows of W (`w_rows`), summed over the warp: every
-// lane of the warp gets acc[r][i] = x[i] · w_rows[r]. A lane issues GEMV_UNROLL loads per
+// The dot products of x's m rows with R rows of W (`w_rows`), shared by WPR warps: every
+// lane of the row's first warp (part 0) gets acc[r][i] = x[i] · w_rows[r]. Every warp of
+// the block calls it (`valid` false past the last row: it reads nothing but takes part in
+// the block barrier). A lane issues GEMV_UNROLL loads per
 // row of W (predicated at the row's end) before using any. Few loads per lane and few
 // registers (40 for f16, m = 1) beat deep per-lane batches: more resident warps keep as
 // many bytes in flight and the grid runs in fewer waves (H200, f16, m = 1: 4096x4096
@@ -55,18 +59,20 @@ template <typename T> __device__ __forceinline__ float dot16(uint4 w, uint4 x) {
 // Llama-2-7B decode 4.21 ms/token against 4.41). The first batch is loaded before
 // `pdl_wait` (W is never written by a kernel), so under programmatic dependent launch it
 // streams in while the previous kernel finishes.
-template <typename T, int M, int R>
-__device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* const (&w_rows)[R], int m, int k,
-                                          float (&acc)[R][M]) {
-    const int lane = threadIdx.x & 31;
-    const int nvec = k * (int)sizeof(T) / 16;  // uint4 chunks per row
+template <typename T, int M, int R, int WPR>
+__device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* const (&w_rows)[R], bool valid,
+                                          int m, int k, float (&acc)[R][M]) {
+    __shared__ float red[GEMV_WARPS][R][M];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = warp % WPR;
+    const int nvec = valid ? k * (int)sizeof(T) / 16 : 0;  // uint4 chunks per row
     const uint4* x_gl_rd = reinterpret_cast<const uint4*>(x);
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
-    for (int base = 0; base < nvec; base += 32 * GEMV_UNROLL) {
+    bool waited = false;
+    for (int base = part * 32 * GEMV_UNROLL; base < nvec; base += WPR * 32 * GEMV_UNROLL) {
         uint4 wv[R][GEMV_UNROLL];
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -75,7 +81,10 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* 
                 const int c = base + lane + 32 * u;
                 wv[r][u] = c < nvec ? ld_stream(w_rows[r] + c) : make_uint4(0, 0, 0, 0);
             }
-        if (base == 0) pdl_wait();
+        if (!waited) {
+            pdl_wait();
+            waited = true;
+        }
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
             const int c = base + lane + 32 * u;
@@ -91,25 +100,45 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* 
             }
         }
     }
-    if (nvec == 0) pdl_wait();
+    if (!waited) pdl_wait();
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int i = 0; i < M; ++i) acc[r][i] = warp_sum(acc[r][i]);
+    if (WPR > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < M; ++i) red[warp][r][i] = acc[r][i];
+        }
+        __syncthreads();
+        if (part == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < M; ++i) {
+                    float v = red[warp][r][i];
+                    for (int j = 1; j < WPR; ++j) v += red[warp + j][r][i];
+                    acc[r][i] = v;
+                }
+        }
+    }
 }
 
-// y = x · Wᵀ. grid ceil(n / GEMV_WARPS), block 32 * GEMV_WARPS, one warp per output row.
+// y = x · Wᵀ. grid ceil(n * WPR / GEMV_WARPS), block 32 * GEMV_WARPS, WPR warps per output row.
 // M: compile-time bound on m (1, 2, 4, 8).
-template <typename T, typename OUT, int M>
+template <typename T, typename OUT, int M, int WPR>
 __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, OUT* __restrict__ y, int m,
                      int n, int k) {
     pdl_trigger();
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= n) return;
-    const uint4* rows[1] = {reinterpret_cast<const uint4*>(w + (size_t)row * k)};
+    const int warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * (GEMV_WARPS / WPR) + warp / WPR;
+    const bool valid = row < n;
+    const uint4* rows[1] = {reinterpret_cast<const uint4*>(w + (size_t)(valid ? row : 0) * k)};
     float acc[1][M];
-    warp_dots<T, M, 1>(x, rows, m, k, acc);
-    if ((threadIdx.x & 31) == 0) {
+    warp_dots<T, M, 1, WPR>(x, rows, valid, m, k, acc);
+    if (valid && threadIdx.x % (32 * WPR) == 0) {
 #pragma unroll
         for (int i = 0; i < M; ++i)
             if (i < m) y[(size_t)i * n + row] = from_f32<OUT>(acc[0][i]);
@@ -121,17 +150,19 @@ __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, OUT* __re
 // column r reads gate row r and up row r + inter together. Rounded exactly as the unfused
 // pair (gemv to T, then silu_mul of decode.cu): gate and up sums to T, silu(g) to T, the
 // product to T, so fused and unfused agree bit for bit.
-template <typename T, int M>
+template <typename T, int M, int WPR>
 __device__ void gemv_silu_mul(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int m,
                               int inter, int k) {
     pdl_trigger();
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= inter) return;
-    const uint4* rows[2] = {reinterpret_cast<const uint4*>(w + (size_t)row * k),
-                            reinterpret_cast<const uint4*>(w + ((size_t)row + inter) * k)};
+    const int warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * (GEMV_WARPS / WPR) + warp / WPR;
+    const bool valid = row < inter;
+    const size_t r0 = valid ? row : 0;
+    const uint4* rows[2] = {reinterpret_cast<const uint4*>(w + r0 * k),
+                            reinterpret_cast<const uint4*>(w + (r0 + inter) * k)};
     float acc[2][M];
-    warp_dots<T, M, 2>(x, rows, m, k, acc);
-    if ((threadIdx.x & 31) == 0) {
+    warp_dots<T, M, 2, WPR>(x, rows, valid, m, k, acc);
+    if (valid && threadIdx.x % (32 * WPR) == 0) {
 #pragma unroll
         for (int i = 0; i < M; ++i) {
             if (i < m) {
@@ -143,17 +174,21 @@ __device__ void gemv_silu_mul(const T* __restrict__ x, const T* __restrict__ w, 
     }
 }
 
-#define GEMV_KERNEL(SUF, T, OSUF, OUT, M)                                                          \
+#define GEMV_KERNEL(SUF, T, OSUF, OUT, M, WPR)                                                     \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                                  \
-        gemv_##SUF##_##OSUF##_m##M(const T* x, const T* w, OUT* y, int m, int n, int k) {          \
-        gemv<T, OUT, M>(x, w, y, m, n, k);                                                         \
+        gemv_##SUF##_##OSUF##_m##M##_w##WPR(const T* x, const T* w, OUT* y, int m, int n, int k) { \
+        gemv<T, OUT, M, WPR>(x, w, y, m, n, k);                                                    \
     }
 
+#define GEMV_KERNELS_W(SUF, T, OSUF, OUT, WPR)                                                     \
+    GEMV_KERNEL(SUF, T, OSUF, OUT, 1, WPR)                                                         \
+    GEMV_KERNEL(SUF, T, OSUF, OUT, 2, WPR)                                                         \
+    GEMV_KERNEL(SUF, T, OSUF, OUT, 4, WPR)                                                         \
+    GEMV_KERNEL(SUF, T, OSUF, OUT, 8, WPR)
+
 #define GEMV_KERNELS(SUF, T, OSUF, OUT)                                                            \
-    GEMV_KERNEL(SUF, T, OSUF, OUT, 1)                                                              \
-    GEMV_KERNEL(SUF, T, OSUF, OUT, 2)                                                              \
-    GEMV_KERNEL(SUF, T, OSUF, OUT, 4)                                                              \
-    GEMV_KERNEL(SUF, T, OSUF, OUT, 8)
+    GEMV_KERNELS_W(SUF, T, OSUF, OUT, 1)                                                           \
+    GEMV_KERNELS_W(SUF, T, OSUF, OUT, 4)
 
 GEMV_KERNELS(f32, float, f32, float)
 GEMV_KERNELS(f16, __half, f16, __half)
@@ -161,17 +196,21 @@ GEMV_KERNELS(f16, __half, f32, float)
 GEMV_KERNELS(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
 GEMV_KERNELS(bf16, __nv_bfloat16, f32, float)
 
-#define GEMV_SILU_KERNEL(SUF, T, M)                                                                \
+#define GEMV_SILU_KERNEL(SUF, T, M, WPR)                                                           \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                                  \
-        gemv_silu_mul_##SUF##_m##M(const T* x, const T* w, T* y, int m, int inter, int k) {        \
-        gemv_silu_mul<T, M>(x, w, y, m, inter, k);                                                 \
+        gemv_silu_mul_##SUF##_m##M##_w##WPR(const T* x, const T* w, T* y, int m, int inter, int k) { \
+        gemv_silu_mul<T, M, WPR>(x, w, y, m, inter, k);                                            \
     }
 
+#define GEMV_SILU_KERNELS_W(SUF, T, WPR)                                                           \
+    GEMV_SILU_KERNEL(SUF, T, 1, WPR)                                                               \
+    GEMV_SILU_KERNEL(SUF, T, 2, WPR)                                                               \
+    GEMV_SILU_KERNEL(SUF, T, 4, WPR)                                                               \
+    GEMV_SILU_KERNEL(SUF, T, 8, WPR)
+
 #define GEMV_SILU_KERNELS(SUF, T)                                                                  \
-    GEMV_SILU_KERNEL(SUF, T, 1)                                                                    \
-    GEMV_SILU_KERNEL(SUF, T, 2)                                                                    \
-    GEMV_SILU_KERNEL(SUF, T, 4)                                                                    \
-    GEMV_SILU_KERNEL(SUF, T, 8)
+    GEMV_SILU_KERNELS_W(SUF, T, 1)                                                                 \
+    GEMV_SILU_KERNELS_W(SUF, T, 4)
 
 GEMV_SILU_KERNELS(f32, float)
 GEMV_SILU_KERNELS(f16, __half)

@@ -436,8 +436,7 @@ impl Llama {
     /// One decode step for the graph decoder: ids `[b]` and the position on the device;
     /// 8 launches per layer for dense weights at batch 1 (two fused add + RMSNorm, the QKV,
     /// o, gate/up with SiLU·mul, and down projections, RoPE + KV append, one decode-attention
-    /// launch; cuBLAS's split-K down projection adds its reduce kernel; SiLU·mul is its own
-    /// launch where the gate/up layer is not a dense batch-1 one) and 5 more per
+    /// launch; at batch > 1 the projections are cuBLAS's and SiLU·mul its own launch) and 5 more per
     /// token (embedding, first norm, output head, logits copy, position advance); GGML
     /// formats add candle's activation quantization before each projection.
     /// writes f32 logits `[b, vocab]` into `logits` and advances `pos` by one. Every launch

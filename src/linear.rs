@@ -196,16 +196,15 @@ impl QLinear {
 }
 
 /// Where dense layers on the GPU use the skinny-matmul kernel (`ops::gemv`) instead of
-/// cuBLAS: up to `GEMV_ROWS` rows of input at most `GEMV_MAX_K` wide. Measured on the H200
-/// (f16, BENCHMARKS.md): at m = 1, 4096x4096 12.4 µs against cuBLAS's 16.1 and 11008x4096
-/// 23.7 against 25.6, but 4096x11008 (k = 11008) 30.9 against 28.6; at m = 2 / 4 / 8
-/// cuBLAS wins (4096x4096: 15.0 / 15.5 / 16.1 against 16.6 / 24.1 / 39.6).
+/// cuBLAS: up to `GEMV_ROWS` rows of input. Measured on the H200 (f16, BENCHMARKS.md): at
+/// m = 1, 4096x4096 12.4 µs against cuBLAS's 16.1, 11008x4096 23.7 against 25.6, 4096x11008
+/// 23.3 against 28.8 (rows split over four warps); at m = 2 / 4 / 8 cuBLAS wins
+/// (4096x4096: 15.0 / 15.5 / 16.1 against 16.6 / 24.1 / 39.6).
 pub const GEMV_ROWS: usize = 1;
-pub const GEMV_MAX_K: usize = 8192;
 
 fn use_gemv(x: &Tensor, w: &Tensor) -> bool {
     x.device().is_cuda()
-        && x.dims2().is_ok_and(|(m, k)| m <= GEMV_ROWS && k <= GEMV_MAX_K)
+        && x.dims2().is_ok_and(|(m, _)| m <= GEMV_ROWS)
         && crate::ops::gemv_ok(x, w)
 }
 

@@ -77,6 +77,18 @@ pub fn gemv_silu_mul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.apply_op2_no_bwd(w, &Gemv { out: x.dtype(), silu_mul: true })
 }
 
+/// Warps that share one output row (the kernel's WPR): rows longer than 8192 elements are
+/// split four ways inside a block, so a 4096 x 11008 layer runs 4096 blocks instead of
+/// 1024 and keeps more loads in flight per row.
+#[cfg(feature = "cuda")]
+fn warps_per_row(k: usize) -> usize {
+    if k > 8192 {
+        4
+    } else {
+        1
+    }
+}
+
 fn dims(l1: &Layout, l2: &Layout) -> Result<(usize, usize, usize)> {
     let (m, k) = l1.shape().dims2()?;
     let (n, kw) = l2.shape().dims2()?;
@@ -169,7 +181,7 @@ impl CustomOp2 for Gemv {
         // `n` output columns per activation row (the gemv's n, or I for SiLU·mul).
         fn launch<T: CudaDType + DeviceRepr, O: CudaDType + DeviceRepr>(
             name: &str,
-            (m, n, k): (usize, usize, usize),
+            (m, n, k, wpr): (usize, usize, usize, usize),
             (s1, l1, s2, l2): (&CudaStorage, &Layout, &CudaStorage, &Layout),
         ) -> Result<CudaStorage> {
             let dev = s1.device();
@@ -180,7 +192,7 @@ impl CustomOp2 for Gemv {
             let func = dev.get_or_load_custom_func(name, "gemv", ptx::GEMV)?;
             if n > 0 {
                 let cfg = LaunchConfig {
-                    grid_dim: (n.div_ceil(WARPS) as u32, 1, 1),
+                    grid_dim: ((n * wpr).div_ceil(WARPS) as u32, 1, 1),
                     block_dim: (32 * WARPS as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
@@ -191,23 +203,25 @@ impl CustomOp2 for Gemv {
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
         let args = (s1, l1, s2, l2);
+        let wpr = warps_per_row(k);
+        let suffix = format!("m{bucket}_w{wpr}");
         if self.silu_mul {
-            let d = (m, n / 2, k);
+            let d = (m, n / 2, k, wpr);
             let y = match s1.dtype() {
-                DType::F32 => launch::<f32, f32>(&format!("gemv_silu_mul_f32_m{bucket}"), d, args)?,
-                DType::F16 => launch::<f16, f16>(&format!("gemv_silu_mul_f16_m{bucket}"), d, args)?,
-                DType::BF16 => launch::<bf16, bf16>(&format!("gemv_silu_mul_bf16_m{bucket}"), d, args)?,
+                DType::F32 => launch::<f32, f32>(&format!("gemv_silu_mul_f32_{suffix}"), d, args)?,
+                DType::F16 => launch::<f16, f16>(&format!("gemv_silu_mul_f16_{suffix}"), d, args)?,
+                DType::BF16 => launch::<bf16, bf16>(&format!("gemv_silu_mul_bf16_{suffix}"), d, args)?,
                 dt => candle_core::bail!("gemv_silu_mul: unsupported dtype {dt:?}"),
             };
             return Ok((y, Shape::from((m, n / 2))));
         }
-        let d = (m, n, k);
+        let d = (m, n, k, wpr);
         let y = match (s1.dtype(), self.out) {
-            (DType::F32, DType::F32) => launch::<f32, f32>(&format!("gemv_f32_f32_m{bucket}"), d, args)?,
-            (DType::F16, DType::F16) => launch::<f16, f16>(&format!("gemv_f16_f16_m{bucket}"), d, args)?,
-            (DType::F16, DType::F32) => launch::<f16, f32>(&format!("gemv_f16_f32_m{bucket}"), d, args)?,
-            (DType::BF16, DType::BF16) => launch::<bf16, bf16>(&format!("gemv_bf16_bf16_m{bucket}"), d, args)?,
-            (DType::BF16, DType::F32) => launch::<bf16, f32>(&format!("gemv_bf16_f32_m{bucket}"), d, args)?,
+            (DType::F32, DType::F32) => launch::<f32, f32>(&format!("gemv_f32_f32_{suffix}"), d, args)?,
+            (DType::F16, DType::F16) => launch::<f16, f16>(&format!("gemv_f16_f16_{suffix}"), d, args)?,
+            (DType::F16, DType::F32) => launch::<f16, f32>(&format!("gemv_f16_f32_{suffix}"), d, args)?,
+            (DType::BF16, DType::BF16) => launch::<bf16, bf16>(&format!("gemv_bf16_bf16_{suffix}"), d, args)?,
+            (DType::BF16, DType::F32) => launch::<bf16, f32>(&format!("gemv_bf16_f32_{suffix}"), d, args)?,
             (dt, o) => candle_core::bail!("gemv: unsupported dtypes {dt:?} -> {o:?}"),
         };
         Ok((y, Shape::from((m, n))))
