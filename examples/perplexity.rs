@@ -18,9 +18,9 @@
 //!
 //! `--windows A..B` scores only those windows, so a long run splits into parts (stock candle
 //! on the CPU scores about 25 tokens/s at `--batch 8` on a 2-core machine: the full
-//! WikiText-2 test set is hours). Each
-//! part's `--json` line carries `nll`, `tokens` (and `stock_nll`, `stock_tokens`); the whole
-//! text's perplexity is `exp(sum nll / sum tokens)` over the parts.
+//! WikiText-2 test set is hours). Each part's `--json` line carries `nll`, `tokens` (and
+//! `stock_nll`, `stock_tokens`); the whole text's perplexity is `exp(sum nll / sum tokens)`
+//! over the parts.
 
 mod common;
 

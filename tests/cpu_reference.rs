@@ -240,5 +240,9 @@ fn gemv_references() -> Result<()> {
     let x = randn(1, &[1, 64], 1.0, DType::F32, &dev)?;
     let err = gemv_silu_mul(&x, &randn(2, &[7, 64], 1.0, DType::F32, &dev)?).unwrap_err().to_string();
     assert!(err.contains("even"), "{err}");
+    let op = candle_lowbit::ops::Gemv { out: DType::F32, silu_mul: true };
+    let xh = x.to_dtype(DType::F16)?;
+    let err = xh.apply_op2_no_bwd(&randn(3, &[8, 64], 1.0, DType::F16, &dev)?, &op).unwrap_err().to_string();
+    assert!(err.contains("must be the input's"), "{err}");
     Ok(())
 }

@@ -89,6 +89,20 @@ fn warps_per_row(k: usize) -> usize {
     }
 }
 
+impl Gemv {
+    /// SiLU·mul writes the inputs' dtype (as the unfused pair does).
+    fn check(&self, dt: DType) -> Result<()> {
+        if self.silu_mul && self.out != dt {
+            candle_core::bail!("gemv_silu_mul: output dtype {:?} must be the input's ({dt:?})", self.out)
+        }
+        Ok(())
+    }
+
+    fn out_shape(&self, (m, n, _): (usize, usize, usize)) -> Shape {
+        Shape::from((m, if self.silu_mul { n / 2 } else { n }))
+    }
+}
+
 fn dims(l1: &Layout, l2: &Layout) -> Result<(usize, usize, usize)> {
     let (m, k) = l1.shape().dims2()?;
     let (n, kw) = l2.shape().dims2()?;
@@ -122,30 +136,26 @@ impl CustomOp2 for Gemv {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1, l2)?;
+        self.check(s1.dtype())?;
         use half::{bf16, f16};
-        if self.silu_mul {
-            let (m, n, _) = d;
-            fn run<T: WithDType>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, d: (usize, usize, usize)) -> Result<CpuStorage> {
-                let y = cpu_ref::<T, T>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d);
-                Ok(T::to_cpu_storage_owned(super::decode::silu_mul_ref(&y, d.1 / 2)))
-            }
-            let out = match s1.dtype() {
-                DType::F32 => run::<f32>(s1, l1, s2, l2, d)?,
-                DType::F16 => run::<f16>(s1, l1, s2, l2, d)?,
-                DType::BF16 => run::<bf16>(s1, l1, s2, l2, d)?,
-                dt => candle_core::bail!("gemv_silu_mul: unsupported dtype {dt:?}"),
-            };
-            return Ok((out, Shape::from((m, n / 2))));
+        fn run<T: WithDType, O: WithDType>(
+            (s1, l1, s2, l2): (&CpuStorage, &Layout, &CpuStorage, &Layout),
+            d: (usize, usize, usize),
+            silu_mul: bool,
+        ) -> Result<CpuStorage> {
+            let y = cpu_ref::<T, O>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d);
+            Ok(O::to_cpu_storage_owned(if silu_mul { super::decode::silu_mul_ref(&y, d.1 / 2) } else { y }))
         }
+        let args = (s1, l1, s2, l2);
         let out = match (s1.dtype(), self.out) {
-            (DType::F32, _) => CpuStorage::F32(cpu_ref::<f32, f32>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
-            (DType::F16, DType::F16) => CpuStorage::F16(cpu_ref::<f16, f16>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
-            (DType::F16, DType::F32) => CpuStorage::F32(cpu_ref::<f16, f32>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
-            (DType::BF16, DType::BF16) => CpuStorage::BF16(cpu_ref::<bf16, bf16>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
-            (DType::BF16, DType::F32) => CpuStorage::F32(cpu_ref::<bf16, f32>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d)),
+            (DType::F32, DType::F32) => run::<f32, f32>(args, d, self.silu_mul)?,
+            (DType::F16, DType::F16) => run::<f16, f16>(args, d, self.silu_mul)?,
+            (DType::F16, DType::F32) => run::<f16, f32>(args, d, self.silu_mul)?,
+            (DType::BF16, DType::BF16) => run::<bf16, bf16>(args, d, self.silu_mul)?,
+            (DType::BF16, DType::F32) => run::<bf16, f32>(args, d, self.silu_mul)?,
             (dt, o) => candle_core::bail!("gemv: unsupported dtypes {dt:?} -> {o:?}"),
         };
-        Ok((out, Shape::from((d.0, d.1))))
+        Ok((out, self.out_shape(d)))
     }
 
     #[cfg(feature = "cuda")]
@@ -163,6 +173,7 @@ impl CustomOp2 for Gemv {
 
         const WARPS: usize = 4; // GEMV_WARPS in cuda/gemv.cu
         let (m, n, k) = dims(l1, l2)?;
+        self.check(s1.dtype())?;
         let size = s1.dtype().size_in_bytes();
         if !(1..=GEMV_MAX_M).contains(&m) || (k * size) % 16 != 0 {
             candle_core::bail!("gemv: m {m} / k {k} out of the kernel's range")
@@ -213,7 +224,7 @@ impl CustomOp2 for Gemv {
                 DType::BF16 => launch::<bf16, bf16>(&format!("gemv_silu_mul_bf16_{suffix}"), d, args)?,
                 dt => candle_core::bail!("gemv_silu_mul: unsupported dtype {dt:?}"),
             };
-            return Ok((y, Shape::from((m, n / 2))));
+            return Ok((y, self.out_shape((m, n, k))));
         }
         let d = (m, n, k, wpr);
         let y = match (s1.dtype(), self.out) {
@@ -224,6 +235,6 @@ impl CustomOp2 for Gemv {
             (DType::BF16, DType::F32) => launch::<bf16, f32>(&format!("gemv_bf16_f32_{suffix}"), d, args)?,
             (dt, o) => candle_core::bail!("gemv: unsupported dtypes {dt:?} -> {o:?}"),
         };
-        Ok((y, Shape::from((m, n))))
+        Ok((y, self.out_shape((m, n, k))))
     }
 }
