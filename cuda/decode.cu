@@ -1,5 +1,6 @@
 // Decode-step kernels: token embedding, RoPE + KV-cache append, SiLU·mul, position advance.
-// (The query is rotated inside decode attention, where it is loaded.)
+// (At decode, one token per sequence, decode attention rotates the query and does the
+// RoPE + append of K and V itself; rope_kv serves prompts.)
 // Positions come from device memory (`pos`, one u32), so a captured CUDA graph replays
 // the same launches at every step; per-sequence left padding `pads` [b] u32.
 //
@@ -26,6 +27,26 @@ __device__ void embed_gather(const T* __restrict__ table, const uint32_t* __rest
     if (id >= (uint32_t)vocab) id = 0;  // validated on the host where ids are host values
     const T* src = table + (size_t)id * h;
     T* dst = out + (size_t)row * h;
+    if ((h * sizeof(T)) % 16 == 0 && ((uintptr_t)src | (uintptr_t)dst) % 16 == 0) {
+        // 16-byte vectors, all of a thread's loads issued before its stores.
+        const int nv = h * (int)sizeof(T) / 16;
+        const uint4* s4 = reinterpret_cast<const uint4*>(src);
+        uint4* d4 = reinterpret_cast<uint4*>(dst);
+        for (int base = 0; base < nv; base += 4 * blockDim.x) {
+            uint4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = base + u * blockDim.x + threadIdx.x;
+                if (i < nv) v[u] = s4[i];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = base + u * blockDim.x + threadIdx.x;
+                if (i < nv) d4[i] = v[u];
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < h; i += blockDim.x) dst[i] = src[i];
 }
 
@@ -90,9 +111,10 @@ DECODE_KERNELS(f32, float)
 DECODE_KERNELS(f16, __half)
 DECODE_KERNELS(bf16, __nv_bfloat16)
 
-// pos [1] u32 += by (the last launch of a captured decode step).
+// pos [1] u32 += by (the last launch of a captured decode step). It does not trigger its
+// dependents early, so every later kernel starts after pos is written and may read pos
+// (and the cache rows the step wrote) before its own pdl_wait (decode_attention.cu).
 extern "C" __global__ void advance_pos(uint32_t* pos, uint32_t by) {
-    pdl_trigger();
     pdl_wait();  // every input may come from the previous kernel
     if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += by;
 }

@@ -2,14 +2,20 @@
 // keys ("flash-decoding"), grouped-query aware: one block reads a KV head's chunk of keys
 // once for all the query heads that share it. One launch: the last block of a KV head to
 // finish merges the chunks' partial results (a counter per (sequence, KV head), reset by
-// that block, so a captured graph replays it).
+// that block, so a captured graph replays it), with the partials' loads batched (lanes
+// over chunks for the maxima and sums, ATTN_MERGE chunks at a time for the outputs): a
+// loop of dependent loads per chunk made a 16k-token merge a chain of ~128 L2 trips. With `append` the same launch also does
+// the decode step's RoPE + cache append: the block holding row pos rotates the new K,
+// writes K and V to row pos (k_out, v_out: the same buffers as k_cache, v_cache) and uses
+// them from shared memory; no other block reads row pos.
 //
 // Layouts (row-major, contiguous; T in {f32, f16, bf16}):
 //   qkv      [b, (nh + 2*nkv) * hd] T  fused projection of the new token; its q heads are
 //                                     rotated here (RoPE position pos - pads[s], tables
 //                                     cos/sin [max_pos, hd/2] f32, "rotate half" pairs)
-//   k_cache  [b, nkv, max_len, hd] T  keys 0..=pos are valid (pos = *pos_p, device u32)
-//   v_cache  [b, nkv, max_len, hd] T
+//   k_cache  [b, nkv, max_len, hd] T  keys 0..pos are valid (pos = *pos_p, device u32);
+//   v_cache  [b, nkv, max_len, hd] T  row pos too without `append`; with it, row pos is
+//                                     written from qkv's k and v heads (k rotated like q)
 //   pads     [b] u32                  keys j < pads[s] are left padding (masked), except j = pos
 //   part_o   [b, nh, n_split, hd] f32 scratch: unnormalised partial outputs per key chunk
 //   part_ml  [b, nh, n_split, 2] f32  scratch: (max score, sum of exp) per chunk
@@ -17,13 +23,18 @@
 //   out      [b, nh, hd] T
 // The launch shape is fixed by the capacity, not by pos: n_split = ceil(max_len / chunk)
 // blocks per KV head, `chunk` (a host choice) bounding the keys per block. Each launch
-// spreads the len = pos + 1 keys over those blocks: c = clamp(ceil(len / n_split),
-// ATTN_MIN_CHUNK, chunk) keys per block, so a short context still keeps many blocks busy
-// (129 keys: 5 blocks of 32 per KV head) and blocks past the last key exit at once.
+// spreads the len = pos + 1 keys over those blocks: c = clamp(ceil(len / n_split), B,
+// chunk) keys per block, B = the rows one round of loads covers (ATTN_UNROLL rows per lane
+// group: 32 for f16 at hd 128), so a short context keeps many blocks busy (129 keys: 5
+// blocks of 32 per KV head, each loading all its rows before pdl_wait) and blocks past
+// the last key exit at once.
 //
 // Work split in a block (ATTN_THREADS threads): K and V rows are read as 16-byte vectors,
 // LPK = hd / VEC lanes per row (VEC = 16 / sizeof(T)), ATTN_THREADS / LPK rows at a time,
-// ATTN_UNROLL batches of loads issued before any is used.
+// ATTN_UNROLL batches of loads issued before any is used. The first batch of K and V rows
+// older than pos is loaded before `pdl_wait` (nothing in the step writes them, and pos
+// is set before the step: see advance_pos in decode.cu), so at short contexts the whole
+// chunk streams in while the QKV projection finishes.
 // Limits (checked on the host): hd divides 128 and hd >= VEC; nh / nkv <= ATTN_MAX_G;
 // chunk <= 256. Launched with programmatic dependent launch (pdl_wait, common.cuh).
 #include "common.cuh"
@@ -33,63 +44,112 @@ using namespace lowbit;
 #define ATTN_MAX_G 8
 #define ATTN_THREADS 128
 #define ATTN_UNROLL 4
-#define ATTN_MIN_CHUNK 32
+#define ATTN_MERGE 8
 
 // grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem
 // (g*hd + g*chunk + ATTN_THREADS*VEC*g) floats.
 template <typename T>
 __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__ cos,
                             const float* __restrict__ sin, const T* __restrict__ k_cache,
-                            const T* __restrict__ v_cache, const uint32_t* __restrict__ pos_p,
-                            const uint32_t* __restrict__ pads, float* __restrict__ part_o,
-                            float* __restrict__ part_ml, uint32_t* __restrict__ counters,
-                            T* __restrict__ out, int nh, int nkv, int hd, int max_len, int n_split,
-                            int chunk, float scale) {
+                            const T* __restrict__ v_cache, T* k_new_out, T* v_new_out,
+                            const uint32_t* __restrict__ pos_p, const uint32_t* __restrict__ pads,
+                            float* __restrict__ part_o, float* __restrict__ part_ml,
+                            uint32_t* __restrict__ counters, T* __restrict__ out, int nh, int nkv,
+                            int hd, int max_len, int n_split, int chunk, float scale, int append) {
     constexpr int VEC = 16 / sizeof(T);
     extern __shared__ float sh[];
     __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
+    __shared__ __align__(16) T knew_sh[128], vnew_sh[128];
     __shared__ bool last_sh;
     pdl_trigger();
-    pdl_wait();  // every input may come from the previous kernel
+    // Before pdl_wait only what no kernel of this step writes: pos and pads (set by the
+    // previous step's advance_pos, which does not trigger early, or by host copies) and
+    // the cache rows before the new one.
     const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
     const int g = nh / nkv;
-    const int len = (int)pos_p[0] + 1;
-    const int c = min(chunk, max(ATTN_MIN_CHUNK, (len + n_split - 1) / n_split));  // keys per block
+    const int lpk = hd / VEC;               // lanes per K/V row
+    const int rows_per_pass = ATTN_THREADS / lpk;
+    const int len = (int)pos_p[0] + 1, j_new = len - 1;  // j_new: the current token's row
+    // keys per block
+    const int c = min(chunk, max(rows_per_pass * ATTN_UNROLL, (len + n_split - 1) / n_split));
     const int start = split * c;
     if (start >= len) return;
     const int end = min(start + c, len), n = end - start;
     const int n_active = (len + c - 1) / c;
+    const bool has_new = j_new < end;  // this block holds the current token's key
     const int pad = (int)pads[s];
-    const int lpk = hd / VEC;               // lanes per K/V row
-    const int rows_per_pass = ATTN_THREADS / lpk;
+    // This thread's RoPE pair: every q element it rotates (idx = threadIdx.x + 128 i) and
+    // the new key's pair j = threadIdx.x < hd / 2 share d = threadIdx.x % hd (hd | 128).
+    const int half = hd / 2, rpos = max(j_new - pad, 0);
+    const int jr = (threadIdx.x % hd) % half;
+    const float rc = cos[(size_t)rpos * half + jr], rs = sin[(size_t)rpos * half + jr];
     const int sub = threadIdx.x % lpk, grp = threadIdx.x / lpk;
     float* q_sh = sh;                        // [g, hd]
     float* p_sh = q_sh + g * hd;             // [g, chunk]
     float* r_sh = p_sh + g * chunk;          // [rows_per_pass, g, hd]
 
-    {
-        const int half = hd / 2, rpos = max(len - 1 - pad, 0);
-        const T* q_gl_rd = qkv + (size_t)s * (nh + 2 * nkv) * hd + (size_t)kvh * g * hd;
-        for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
-            const int hh = idx / hd, d = idx % hd, j = d % half;
-            const float c = cos[(size_t)rpos * half + j], sn = sin[(size_t)rpos * half + j];
-            const float x0 = to_f32(q_gl_rd[hh * hd + j]), x1 = to_f32(q_gl_rd[hh * hd + j + half]);
-            q_sh[idx] = (d < half ? x0 * c - x1 * sn : x1 * c + x0 * sn) * scale;
-        }
-    }
-    __syncthreads();
-
     const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)max_len * hd;
     const uint4* k_gl_rd = reinterpret_cast<const uint4*>(k_cache + head_off);
     const uint4* v_gl_rd = reinterpret_cast<const uint4*>(v_cache + head_off);
+    // The first ATTN_UNROLL rows per lane group of K and V, older rows only.
+    uint4 k_first[ATTN_UNROLL], v_first[ATTN_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ATTN_UNROLL; ++u) {
+        const int t = u * rows_per_pass + grp, j = start + t;
+        const bool old = t < n && j != j_new;
+        k_first[u] = old ? k_gl_rd[(size_t)j * lpk + sub] : make_uint4(0, 0, 0, 0);
+        v_first[u] = old ? v_gl_rd[(size_t)j * lpk + sub] : make_uint4(0, 0, 0, 0);
+    }
+    pdl_wait();  // qkv comes from the previous kernel
+
+    const T* row_gl_rd = qkv + (size_t)s * (nh + 2 * nkv) * hd;
+    {
+        const T* q_gl_rd = row_gl_rd + (size_t)kvh * g * hd;
+        for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+            const int hh = idx / hd, d = idx % hd;
+            const float x0 = to_f32(q_gl_rd[hh * hd + jr]), x1 = to_f32(q_gl_rd[hh * hd + jr + half]);
+            q_sh[idx] = (d < half ? x0 * rc - x1 * rs : x1 * rc + x0 * rs) * scale;
+        }
+    }
+    // The current token's K (rotated) and V: from qkv, also written to the cache (append),
+    // or from the cache, where the previous kernel (rope_kv) put them.
+    if (has_new) {
+        const size_t row = head_off + (size_t)j_new * hd;
+        const int j = threadIdx.x;  // one rotation pair per thread (half <= 64)
+        if (j < half) {
+            if (append) {
+                const T* k_gl_rd1 = row_gl_rd + (size_t)(nh + kvh) * hd;
+                const T* v_gl_rd1 = row_gl_rd + (size_t)(nh + nkv + kvh) * hd;
+                const float k0 = to_f32(k_gl_rd1[j]), k1 = to_f32(k_gl_rd1[j + half]);
+                knew_sh[j] = from_f32<T>(k0 * rc - k1 * rs);
+                knew_sh[j + half] = from_f32<T>(k1 * rc + k0 * rs);
+                vnew_sh[j] = v_gl_rd1[j];
+                vnew_sh[j + half] = v_gl_rd1[j + half];
+                k_new_out[row + j] = knew_sh[j];
+                k_new_out[row + j + half] = knew_sh[j + half];
+                v_new_out[row + j] = vnew_sh[j];
+                v_new_out[row + j + half] = vnew_sh[j + half];
+            } else {
+                knew_sh[j] = k_cache[row + j];
+                knew_sh[j + half] = k_cache[row + j + half];
+                vnew_sh[j] = v_cache[row + j];
+                vnew_sh[j + half] = v_cache[row + j + half];
+            }
+        }
+    }
+    __syncthreads();
+    const uint4* knew4 = reinterpret_cast<const uint4*>(knew_sh);
+    const uint4* vnew4 = reinterpret_cast<const uint4*>(vnew_sh);
 
     // Scores: LPK lanes per key, partial dots reduced with shuffles inside the lane group.
     for (int base = 0; base < n; base += rows_per_pass * ATTN_UNROLL) {
         uint4 kv[ATTN_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
-            const int t = base + u * rows_per_pass + grp;
-            kv[u] = t < n ? k_gl_rd[(size_t)(start + t) * lpk + sub] : make_uint4(0, 0, 0, 0);
+            const int t = base + u * rows_per_pass + grp, j = start + t;
+            if (base == 0) kv[u] = k_first[u];
+            else kv[u] = t < n && j != j_new ? k_gl_rd[(size_t)j * lpk + sub] : make_uint4(0, 0, 0, 0);
+            if (t < n && j == j_new) kv[u] = knew4[sub];
         }
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
@@ -97,7 +157,7 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
             float kf[VEC];
             unpack16<T>(kv[u], kf);
             const int j = start + t;
-            const bool visible = j >= pad || j == len - 1;
+            const bool visible = j >= pad || j == j_new;
 #pragma unroll
             for (int hh = 0; hh < ATTN_MAX_G; ++hh) {
                 if (hh >= g) break;
@@ -135,16 +195,18 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
     for (int hh = 0; hh < ATTN_MAX_G; ++hh)
 #pragma unroll
         for (int e = 0; e < VEC; ++e) acc[hh][e] = 0.f;
-    for (int base = grp; base < n; base += rows_per_pass * ATTN_UNROLL) {
+    for (int base = 0; base < n; base += rows_per_pass * ATTN_UNROLL) {
         uint4 vv[ATTN_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
-            const int t = base + u * rows_per_pass;
-            vv[u] = t < n ? v_gl_rd[(size_t)(start + t) * lpk + sub] : make_uint4(0, 0, 0, 0);
+            const int t = base + u * rows_per_pass + grp, j = start + t;
+            if (base == 0) vv[u] = v_first[u];
+            else vv[u] = t < n && j != j_new ? v_gl_rd[(size_t)j * lpk + sub] : make_uint4(0, 0, 0, 0);
+            if (t < n && j == j_new) vv[u] = vnew4[sub];
         }
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
-            const int t = base + u * rows_per_pass;
+            const int t = base + u * rows_per_pass + grp;
             if (t >= n) break;
             float vf[VEC];
             unpack16<T>(vv[u], vf);
@@ -194,31 +256,52 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
     __syncthreads();
     if (!last_sh) return;
     __threadfence();
+    // Per head: the largest chunk maximum M and the sum L of the chunks' exp sums scaled to
+    // it, a warp per head with its lanes over the chunks (loads of 32 chunks in flight).
+    for (int hh = warp; hh < g; hh += ATTN_THREADS / 32) {
+        const size_t r0 = (row0 + hh) * n_split;
+        float m = -INFINITY;
+        for (int i = lane; i < n_active; i += 32) m = fmaxf(m, __ldcg(part_ml + (r0 + i) * 2));
+        m = warp_max(m);
+        float l = 0.f;
+        for (int i = lane; i < n_active; i += 32) {
+            const float mi = __ldcg(part_ml + (r0 + i) * 2);
+            l += (mi == -INFINITY) ? 0.f : __expf(mi - m) * __ldcg(part_ml + (r0 + i) * 2 + 1);
+        }
+        l = warp_sum(l);
+        if (lane == 0) { m_sh[hh] = m; l_sh[hh] = l; }
+    }
+    __syncthreads();
+    // Outputs: each element sums its chunks in order, ATTN_MERGE chunks' loads at a time.
     for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
         const int hh = idx / hd, d = idx % hd;
         const size_t r0 = (row0 + hh) * n_split;
-        float m = -INFINITY;
-        for (int i = 0; i < n_active; ++i) m = fmaxf(m, __ldcg(part_ml + (r0 + i) * 2));
-        float l = 0.f, o = 0.f;
-        for (int i = 0; i < n_active; ++i) {
-            const float mi = __ldcg(part_ml + (r0 + i) * 2);
-            const float w = (mi == -INFINITY) ? 0.f : __expf(mi - m);
-            l += w * __ldcg(part_ml + (r0 + i) * 2 + 1);
-            o += w * __ldcg(part_o + (r0 + i) * hd + d);
+        const float m = m_sh[hh];
+        float o = 0.f;
+        for (int i0 = 0; i0 < n_active; i0 += ATTN_MERGE) {
+            float mi[ATTN_MERGE], oi[ATTN_MERGE];
+#pragma unroll
+            for (int u = 0; u < ATTN_MERGE; ++u) {
+                const int i = i0 + u;
+                mi[u] = i < n_active ? __ldcg(part_ml + (r0 + i) * 2) : -INFINITY;
+                oi[u] = i < n_active ? __ldcg(part_o + (r0 + i) * hd + d) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < ATTN_MERGE; ++u) o += (mi[u] == -INFINITY) ? 0.f : __expf(mi[u] - m) * oi[u];
         }
-        out[(row0 + hh) * hd + d] = from_f32<T>(o / l);
+        out[(row0 + hh) * hd + d] = from_f32<T>(o / l_sh[hh]);
     }
     if (threadIdx.x == 0) counters[(size_t)s * nkv + kvh] = 0;
 }
 
 #define ATTN_KERNELS(SUF, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_##SUF(                 \
-        const T* qkv, const float* cos, const float* sin, const T* k, const T* v,                 \
-        const uint32_t* pos, const uint32_t* pads, float* part_o, float* part_ml,                 \
+        const T* qkv, const float* cos, const float* sin, const T* k, const T* v, T* k_out,       \
+        T* v_out, const uint32_t* pos, const uint32_t* pads, float* part_o, float* part_ml,       \
         uint32_t* counters, T* out, int nh, int nkv, int hd, int max_len, int n_split, int chunk, \
-        float scale) {                                                                            \
-        attn_decode<T>(qkv, cos, sin, k, v, pos, pads, part_o, part_ml, counters, out, nh, nkv,  \
-                       hd, max_len, n_split, chunk, scale);                                       \
+        float scale, int append) {                                                                \
+        attn_decode<T>(qkv, cos, sin, k, v, k_out, v_out, pos, pads, part_o, part_ml, counters,   \
+                       out, nh, nkv, hd, max_len, n_split, chunk, scale, append);                 \
     }
 
 ATTN_KERNELS(f32, float)

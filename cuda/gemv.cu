@@ -15,18 +15,27 @@
 // Alignment (checked on the host): k * sizeof(T) is a multiple of 16 and x, w start on
 // 16-byte boundaries, so rows are read as uint4 (8 halves or 4 floats per load).
 //
-// Work split: WPR warps per output row (1 for rows up to 8192 wide, 4 for longer ones:
-// host choice), GEMV_WARPS warps per block, so a block covers GEMV_WARPS / WPR rows. Warp
-// j of a row reads batches j, j + WPR, ... of GEMV_UNROLL 16-byte chunks per lane; the
-// WPR partial sums meet in shared memory, added in warp order (deterministic). W is read with
-// L1::no_allocate (it is touched once); x is small and stays in L1/L2.
+// Work split (Split<WPR> below; WPR is the host's choice): rows under 8 KiB get one warp
+// each, 4 rows per block, 4 16-byte loads per lane per round; longer rows get 8 warps
+// each, one row per block, 2 loads per lane per round. Warp j of a row reads rounds j,
+// j + WPR, ...; the WPR partial sums meet in shared memory, added in warp order
+// (deterministic). W is read with L1::no_allocate (it is touched once); x is small and
+// stays in L1/L2.
+//
+// H200, f16, m = 1 (`bench --filter kernels/ --m 1`, µs; 1 warp x 4 loads / 4 warps x 4 /
+// 8 warps x 2 per row): 4096x4096 12.5 / 9.6 / 9.5, 4096x11008 (k = 11008) 23.0 / 23.1 /
+// 22.3; Llama-2-7B f16 decode 4.01 / 3.75 / 3.68 ms/token. More warps per row keep more
+// loads in flight early and late in these short (10-25 µs) kernels.
 #include "common.cuh"
 
 using namespace lowbit;
 
 #define GEMV_MAX_M 8
-#define GEMV_WARPS 4
-#define GEMV_UNROLL 4
+
+// Per warps-per-row choice: U 16-byte loads per lane per round, WB warps per block.
+template <int WPR> struct Split;
+template <> struct Split<1> { static constexpr int U = 4, WB = 4; };
+template <> struct Split<8> { static constexpr int U = 2, WB = 8; };
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 v;
@@ -51,18 +60,17 @@ template <typename T> __device__ __forceinline__ float dot16(uint4 w, uint4 x) {
 // The dot products of x's m rows with R rows of W (`w_rows`), shared by WPR warps: every
 // lane of the row's first warp (part 0) gets acc[r][i] = x[i] · w_rows[r]. Every warp of
 // the block calls it (`valid` false past the last row: it reads nothing but takes part in
-// the block barrier). A lane issues GEMV_UNROLL loads per
-// row of W (predicated at the row's end) before using any. Few loads per lane and few
-// registers (40 for f16, m = 1) beat deep per-lane batches: more resident warps keep as
-// many bytes in flight and the grid runs in fewer waves (H200, f16, m = 1: 4096x4096
-// 12.3 µs with 4 loads per lane against 13.5 with 16, and 11008x4096 23.7 against 25.0;
-// Llama-2-7B decode 4.21 ms/token against 4.41). The first batch is loaded before
-// `pdl_wait` (W is never written by a kernel), so under programmatic dependent launch it
-// streams in while the previous kernel finishes.
+// the block barrier). A lane issues U loads per row of W (predicated at the row's end)
+// before using any. Few loads per lane and few registers (32-40 for f16, m = 1) beat deep
+// per-lane batches: more resident warps keep as many bytes in flight (16 loads per lane:
+// 4096x4096 13.5 µs, 87 registers). The first round is loaded before `pdl_wait` (W is
+// never written by a kernel), so under programmatic dependent launch it streams in while
+// the previous kernel finishes.
 template <typename T, int M, int R, int WPR>
 __device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* const (&w_rows)[R], bool valid,
                                           int m, int k, float (&acc)[R][M]) {
-    __shared__ float red[GEMV_WARPS][R][M];
+    constexpr int U = Split<WPR>::U, WB = Split<WPR>::WB;
+    __shared__ float red[WB][R][M];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = warp % WPR;
     const int nvec = valid ? k * (int)sizeof(T) / 16 : 0;  // uint4 chunks per row
     const uint4* x_gl_rd = reinterpret_cast<const uint4*>(x);
@@ -72,12 +80,12 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* 
         for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
     bool waited = false;
-    for (int base = part * 32 * GEMV_UNROLL; base < nvec; base += WPR * 32 * GEMV_UNROLL) {
-        uint4 wv[R][GEMV_UNROLL];
+    for (int base = part * 32 * U; base < nvec; base += WPR * 32 * U) {
+        uint4 wv[R][U];
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int u = 0; u < GEMV_UNROLL; ++u) {
+            for (int u = 0; u < U; ++u) {
                 const int c = base + lane + 32 * u;
                 wv[r][u] = c < nvec ? ld_stream(w_rows[r] + c) : make_uint4(0, 0, 0, 0);
             }
@@ -86,7 +94,7 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* 
             waited = true;
         }
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = base + lane + 32 * u;
             if (c < nvec) {
 #pragma unroll
@@ -126,14 +134,14 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ x, const uint4* 
     }
 }
 
-// y = x · Wᵀ. grid ceil(n * WPR / GEMV_WARPS), block 32 * GEMV_WARPS, WPR warps per output row.
+// y = x · Wᵀ. grid ceil(n * WPR / WB), block 32 * WB, WPR warps per output row.
 // M: compile-time bound on m (1, 2, 4, 8).
 template <typename T, typename OUT, int M, int WPR>
 __device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, OUT* __restrict__ y, int m,
                      int n, int k) {
     pdl_trigger();
     const int warp = threadIdx.x >> 5;
-    const int row = blockIdx.x * (GEMV_WARPS / WPR) + warp / WPR;
+    const int row = blockIdx.x * (Split<WPR>::WB / WPR) + warp / WPR;
     const bool valid = row < n;
     const uint4* rows[1] = {reinterpret_cast<const uint4*>(w + (size_t)(valid ? row : 0) * k)};
     float acc[1][M];
@@ -155,7 +163,7 @@ __device__ void gemv_silu_mul(const T* __restrict__ x, const T* __restrict__ w, 
                               int inter, int k) {
     pdl_trigger();
     const int warp = threadIdx.x >> 5;
-    const int row = blockIdx.x * (GEMV_WARPS / WPR) + warp / WPR;
+    const int row = blockIdx.x * (Split<WPR>::WB / WPR) + warp / WPR;
     const bool valid = row < inter;
     const size_t r0 = valid ? row : 0;
     const uint4* rows[2] = {reinterpret_cast<const uint4*>(w + r0 * k),
@@ -175,7 +183,7 @@ __device__ void gemv_silu_mul(const T* __restrict__ x, const T* __restrict__ w, 
 }
 
 #define GEMV_KERNEL(SUF, T, OSUF, OUT, M, WPR)                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                                  \
+    extern "C" __global__ void __launch_bounds__(32 * Split<WPR>::WB)                              \
         gemv_##SUF##_##OSUF##_m##M##_w##WPR(const T* x, const T* w, OUT* y, int m, int n, int k) { \
         gemv<T, OUT, M, WPR>(x, w, y, m, n, k);                                                    \
     }
@@ -188,7 +196,7 @@ __device__ void gemv_silu_mul(const T* __restrict__ x, const T* __restrict__ w, 
 
 #define GEMV_KERNELS(SUF, T, OSUF, OUT)                                                            \
     GEMV_KERNELS_W(SUF, T, OSUF, OUT, 1)                                                           \
-    GEMV_KERNELS_W(SUF, T, OSUF, OUT, 4)
+    GEMV_KERNELS_W(SUF, T, OSUF, OUT, 8)
 
 GEMV_KERNELS(f32, float, f32, float)
 GEMV_KERNELS(f16, __half, f16, __half)
@@ -197,7 +205,7 @@ GEMV_KERNELS(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
 GEMV_KERNELS(bf16, __nv_bfloat16, f32, float)
 
 #define GEMV_SILU_KERNEL(SUF, T, M, WPR)                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                                  \
+    extern "C" __global__ void __launch_bounds__(32 * Split<WPR>::WB)                              \
         gemv_silu_mul_##SUF##_m##M##_w##WPR(const T* x, const T* w, T* y, int m, int inter, int k) { \
         gemv_silu_mul<T, M, WPR>(x, w, y, m, inter, k);                                            \
     }
@@ -210,7 +218,7 @@ GEMV_KERNELS(bf16, __nv_bfloat16, f32, float)
 
 #define GEMV_SILU_KERNELS(SUF, T)                                                                  \
     GEMV_SILU_KERNELS_W(SUF, T, 1)                                                                 \
-    GEMV_SILU_KERNELS_W(SUF, T, 4)
+    GEMV_SILU_KERNELS_W(SUF, T, 8)
 
 GEMV_SILU_KERNELS(f32, float)
 GEMV_SILU_KERNELS(f16, __half)

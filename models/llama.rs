@@ -240,16 +240,17 @@ impl Attention {
         Heads { nh: self.n_h, nkv: self.n_kv, hd: self.hd }
     }
 
-    /// One fused append (RoPE on K, K and V into the cache); then the fused decode
-    /// attention for one token per sequence, or candle ops over the cache for prefill.
+    /// One token per sequence: the fused append + decode attention (one launch on CUDA).
+    /// Prompts: the fused append (RoPE on K, K and V into the cache), then candle ops over
+    /// the cache.
     fn forward(&self, x: &Tensor, kv: &mut KvCache, ctx: &StepCtx) -> Result<Tensor> {
         let (b, seq, _) = x.dims3()?;
         let (n_h, hd) = (self.n_h, self.hd);
         let qkv = self.qkv.forward(x)?;
-        kv.append(&qkv, ctx.pos, ctx.dev)?;
         let y = if seq == 1 && self.heads().fused_ok() {
-            kv.attend_decode(&qkv, ctx.dev)?
+            kv.append_attend_decode(&qkv, ctx.pos, ctx.dev)?
         } else {
+            kv.append(&qkv, ctx.pos, ctx.dev)?;
             let q = qkv.narrow(2, 0, n_h * hd)?.reshape((b, seq, n_h, hd))?.transpose(1, 2)?.contiguous()?;
             let q = candle_nn::rotary_emb::rope(&q, ctx.cos, ctx.sin)?;
             let y = kv.attend(&q, ctx.pos + seq, ctx.mask)?;
@@ -434,12 +435,12 @@ impl Llama {
     }
 
     /// One decode step for the graph decoder: ids `[b]` and the position on the device;
-    /// 8 launches per layer for dense weights at batch 1 (two fused add + RMSNorm, the QKV,
-    /// o, gate/up with SiLU·mul, and down projections, RoPE + KV append, one decode-attention
-    /// launch; at batch > 1 the projections are cuBLAS's and SiLU·mul its own launch) and 5 more per
-    /// token (embedding, first norm, output head, logits copy, position advance); GGML
-    /// formats add candle's activation quantization before each projection.
-    /// writes f32 logits `[b, vocab]` into `logits` and advances `pos` by one. Every launch
+    /// 7 launches per layer for dense weights at batch 1 (two fused add + RMSNorm, the QKV,
+    /// o, gate/up with SiLU·mul, and down projections, one decode attention that also does
+    /// RoPE + KV append; at batch > 1 the projections are cuBLAS's and SiLU·mul its own
+    /// launch) and 5 more per token (embedding, first norm, output head, logits copy,
+    /// position advance); GGML formats add candle's activation quantization before each
+    /// projection. Writes f32 logits `[b, vocab]` into `logits` and advances `pos` by one. Every launch
     /// reads its inputs from device buffers that outlive a captured graph.
     pub(crate) fn decode_step_into(
         &self,

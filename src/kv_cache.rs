@@ -5,7 +5,7 @@
 //! of the cache, so that a quantized cache can read its own encoding inside a fused
 //! attention kernel; the model only calls `append` and `attend`.
 
-use crate::ops::decode::{decode_attention, rope_kv_append, Heads, StepPositions};
+use crate::ops::decode::{append_decode_attention, decode_attention, rope_kv_append, Heads, StepPositions};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// KV-cache formats. Parse one from a CLI string with `str::parse`.
@@ -92,6 +92,24 @@ impl KvCache {
     /// `qkv` `[b, seq, (nh + 2 nkv) hd]` at rows `p.pos..p.pos + seq`. `pos` is the host
     /// copy of `p.pos`, used to allocate at 0 and to check the capacity.
     pub fn append(&mut self, qkv: &Tensor, pos: usize, p: &StepPositions) -> Result<()> {
+        let heads = self.heads;
+        rope_kv_append(self.storage_for(qkv, pos)?, qkv, heads, p)
+    }
+
+    /// A decode step's attention with its append: as [`KvCache::append`] of the one new
+    /// token per sequence (`qkv` `[b, 1, ..]`) followed by [`KvCache::attend_decode`], in one
+    /// launch on CUDA. Callers check [`Heads::fused_ok`] first.
+    pub fn append_attend_decode(&mut self, qkv: &Tensor, pos: usize, p: &StepPositions) -> Result<Tensor> {
+        self.storage_for(qkv, pos)?;
+        let (Some(kv), Some(counters)) = (&self.kv, &self.counters) else {
+            candle_core::bail!("kv cache: no storage after allocation")
+        };
+        append_decode_attention(qkv, kv, counters, self.heads, p)
+    }
+
+    /// The cache tensor for rows `pos..pos + seq` of `qkv` `[b, seq, ..]`: allocated at
+    /// position 0 (for batch `b`), else checked against `b` and the capacity.
+    fn storage_for(&mut self, qkv: &Tensor, pos: usize) -> Result<&Tensor> {
         let (b, seq, _) = qkv.dims3()?;
         if pos + seq > self.max_len {
             candle_core::bail!(
@@ -109,7 +127,7 @@ impl KvCache {
         if kv.dims()[1] != b {
             candle_core::bail!("kv cache: batch {b} but the cache holds batch {}", kv.dims()[1])
         }
-        rope_kv_append(kv, qkv, self.heads, p)
+        Ok(kv)
     }
 
     /// Attention of the one new token per sequence (`qkv` `[b, 1, ..]`, as given to

@@ -108,11 +108,12 @@ fn positions_on(pads: &[u32], pos: u32, tabs: &(Tensor, Tensor), dev: &Device) -
     })
 }
 
-/// Fused RoPE + append and fused decode attention on the GPU against their CPU references:
-/// GQA groups 1..8, head dims 64 and 128, contexts across several key chunks, padding.
+/// RoPE + append (prompt) and decode attention with its append folded in on the GPU against
+/// their CPU references: GQA groups 1..8, head dims 32..128, contexts across several key
+/// chunks, padding.
 #[test]
 fn decode_attention_cuda_matches_cpu() -> Result<()> {
-    use candle_lowbit::ops::{decode_attention, rope_kv_append, Heads};
+    use candle_lowbit::ops::{append_decode_attention, decode_attention, rope_kv_append, Heads};
     let (cpu, dev) = (Device::Cpu, gpu()?);
     let cases = [
         (Heads { nh: 4, nkv: 4, hd: 64 }, 1, 1usize, 16usize),
@@ -141,10 +142,11 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
                     rope_kv_append(cache, &pre.to_device(d)?, heads, &positions_on(&pads, 0, &tabs, d)?)?;
                 }
                 let p = positions_on(&pads, len as u32 - 1, &tabs, d)?;
-                rope_kv_append(cache, &step.to_device(d)?, heads, &p)?;
                 let counters = Tensor::zeros(b * heads.nkv, DType::U32, d)?;
-                let first = decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
-                // Again on the same counters: the kernel must have left them at zero.
+                // GPU: one launch appends and attends; CPU: rope_kv_append, decode_attention.
+                let first = append_decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
+                // Again without the append, reading row pos from the cache, on the same
+                // counters (the kernel must have left them at zero): bit-identical.
                 let again = decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
                 assert_eq!(counters.to_vec1::<u32>()?, vec![0; b * heads.nkv], "counters not reset");
                 assert_close(&again.to_device(&cpu)?, &first.to_device(&cpu)?, 0.0, 0.0, "second call")?;

@@ -5,9 +5,9 @@
 //!   `q·kᵀ/√d`, softmax, `·v`, cast back. (The grown cache it returns is dropped, so every
 //!   step sees L.)
 //! - `ours-kv<format>`: our `KvCache` in every `KvFormat::ALL`, as our Llama's decode step
-//!   calls it: `append` (RoPE on k, write k and v at row L) then `attend_decode` (RoPE on
-//!   q, attention over L + 1 rows; the generic `attend` where the fused kernel does not
-//!   take the head geometry).
+//!   calls it: `append_attend_decode` (RoPE on q and k, write k and v at row L, attention
+//!   over L + 1 rows: one launch on CUDA); `append` then the generic `attend` where the
+//!   fused kernel does not take the head geometry.
 //!
 //! Both start from the same keys: ours appends raw keys (rotated on the way in), stock's
 //! cache holds the same keys rotated by candle's `rope`. Ours is checked against the stock
@@ -338,10 +338,10 @@ fn tolerance(f: KvFormat) -> f64 {
 
 /// Our decode step on one cache: append the new token at row L, attend over L + 1.
 fn our_step(c: &Case, cache: &mut KvCache, p: &StepPositions) -> candle_core::Result<Tensor> {
-    cache.append(&c.qkv_new, c.len, p)?;
     if c.h.fused_ok() {
-        return cache.attend_decode(&c.qkv_new, p);
+        return cache.append_attend_decode(&c.qkv_new, c.len, p);
     }
+    cache.append(&c.qkv_new, c.len, p)?;
     let (h, b) = (c.h, c.b);
     let q = candle_nn::rotary_emb::rope(&c.q, &c.cos_l, &c.sin_l)?;
     let y = cache.attend(&q, c.len + 1, None)?;

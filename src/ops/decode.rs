@@ -359,6 +359,41 @@ pub fn decode_attention(
     heads: Heads,
     p: &StepPositions,
 ) -> Result<Tensor> {
+    check_attention(qkv, cache, counters, heads, p)?;
+    let op = DecodeAttention { heads, p: p.clone(), counters: counters.clone(), append: false };
+    qkv.contiguous()?.apply_op2_no_bwd(&cache.contiguous()?, &op)
+}
+
+/// The whole attention of a decode step: [`rope_kv_append`] of the new token's K and V at
+/// row `pos`, then [`decode_attention`] over rows `0..=pos`; arguments and result as
+/// there (`cache` must be a whole contiguous tensor). On CUDA one launch does both (the
+/// block that holds row `pos` writes it and uses it from shared memory); on the CPU it
+/// runs the two references in turn, which is what the GPU is tested against.
+pub fn append_decode_attention(
+    qkv: &Tensor,
+    cache: &Tensor,
+    counters: &Tensor,
+    heads: Heads,
+    p: &StepPositions,
+) -> Result<Tensor> {
+    if !cache.device().is_cuda() {
+        rope_kv_append(cache, qkv, heads, p)?;
+        return decode_attention(qkv, cache, counters, heads, p);
+    }
+    if !cache.is_contiguous() || cache.layout().start_offset() != 0 || qkv.dtype() != cache.dtype() {
+        candle_core::bail!(
+            "append_decode_attention: the cache must be a whole contiguous tensor of qkv's dtype, got {:?} {:?} for qkv {:?}",
+            cache.layout(),
+            cache.dtype(),
+            qkv.dtype()
+        )
+    }
+    check_attention(qkv, cache, counters, heads, p)?;
+    let op = DecodeAttention { heads, p: p.clone(), counters: counters.clone(), append: true };
+    qkv.contiguous()?.apply_op2_no_bwd(cache, &op)
+}
+
+fn check_attention(qkv: &Tensor, cache: &Tensor, counters: &Tensor, heads: Heads, p: &StepPositions) -> Result<()> {
     let (b, seq, w) = qkv.dims3()?;
     let (_, cb, nkv, _, hd) = cache.dims5()?;
     if seq != 1 || w != heads.qkv_width() || cb != b || nkv != heads.nkv || hd != heads.hd || !heads.fused_ok() {
@@ -372,9 +407,7 @@ pub fn decode_attention(
             counters.dtype()
         )
     }
-    check_positions(p, b, hd)?;
-    let op = DecodeAttention { heads, p: p.clone(), counters: counters.clone() };
-    qkv.contiguous()?.apply_op2_no_bwd(&cache.contiguous()?, &op)
+    check_positions(p, b, hd)
 }
 
 struct DecodeAttention {
@@ -383,6 +416,9 @@ struct DecodeAttention {
     /// Read by the CUDA kernel only (the CPU reference needs no merge counters).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     counters: Tensor,
+    /// The kernel also writes row `pos` of the cache (CUDA only: on the CPU
+    /// `append_decode_attention` runs `rope_kv_append` first and this op without it).
+    append: bool,
 }
 
 fn attend_one(hp: &HostPositions, q: &[f32], keys: &[f32], vals: &[f32], pad: usize, hd: usize) -> Vec<f32> {
@@ -408,6 +444,9 @@ impl CustomOp2 for DecodeAttention {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        if self.append {
+            candle_core::bail!("decode_attention: appending inside the op is CUDA only (use append_decode_attention)")
+        }
         let hp = HostPositions::read(&self.p)?;
         let dims = l2.shape().dims().to_vec();
         fn run<T: WithDType>(
@@ -458,7 +497,7 @@ impl CustomOp2 for DecodeAttention {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let b = l2.shape().dims()[1];
-        let out = cuda::decode_attention(self.heads, &self.p, &self.counters, s1, l1, s2, l2)?;
+        let out = cuda::decode_attention(self.heads, &self.p, &self.counters, self.append, s1, l1, s2, l2)?;
         Ok((out, Shape::from((b, 1, self.heads.nh * self.heads.hd))))
     }
 }

@@ -9,8 +9,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
-/// Threads per block of `attn_decode` (ATTN_THREADS in its header).
+/// Threads per block of `attn_decode` and rounds of loads in flight per thread
+/// (ATTN_THREADS, ATTN_UNROLL in its header).
 const ATTN_THREADS: u32 = 128;
+const ATTN_UNROLL: usize = 4;
 
 fn suffix(dt: DType) -> Result<&'static str> {
     Ok(match dt {
@@ -141,28 +143,39 @@ pub(super) fn rope_kv_append(
 
 /// Most keys per block for a cache of `max_len` rows (it sizes shared memory and fixes
 /// the launch at `ceil(max_len / chunk)` blocks per KV head; each launch then spreads the
-/// current keys over those blocks, at least 32 per block, see cuda/decode_attention.cu):
-/// small for short caches, longer for long caches (fewer partials to merge).
-fn attn_chunk(max_len: usize) -> usize {
+/// current keys over those blocks, at least `batch_rows` per block, see
+/// cuda/decode_attention.cu): for short caches one round of loads (`batch_rows`, so every
+/// block loads all its keys before waiting on the QKV projection), longer for long
+/// caches (fewer partials to merge).
+fn attn_chunk(max_len: usize, batch_rows: usize) -> usize {
     match max_len {
-        0..=2048 => 64,
-        2049..=8192 => 128,
+        0..=2048 => batch_rows.min(256),
+        2049..=8192 => batch_rows.clamp(128, 256),
         _ => 256,
     }
 }
 
+/// `append`: the kernel also writes row `pos` of the cache (RoPE'd K and V from `qkv`);
+/// the cache storage `s2` must then be the whole contiguous cache tensor.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn decode_attention(
     heads: Heads,
     p: &StepPositions,
     counters: &Tensor,
+    append: bool,
     s1: &CudaStorage,
     l1: &Layout,
     s2: &CudaStorage,
     l2: &Layout,
 ) -> Result<CudaStorage> {
+    #[allow(clippy::too_many_arguments)]
     fn run<T: CudaDType + DeviceRepr + WithDType>(
-        heads: Heads, p: &StepPositions, counters: &Tensor, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout,
+        heads: Heads, p: &StepPositions, counters: &Tensor, append: bool, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage,
+        l2: &Layout,
     ) -> Result<CudaStorage> {
+        if append && (l2.start_offset() != 0 || !l2.is_contiguous()) {
+            candle_core::bail!("decode_attention: appending needs the whole contiguous cache, got {l2:?}")
+        }
         let dev = s1.device();
         let dims = l2.shape().dims().to_vec();
         let (b, max_len) = (dims[1], dims[3]);
@@ -172,7 +185,8 @@ pub(super) fn decode_attention(
         if hd % vec != 0 || hd / vec > 32 || (128 / (hd / vec)) * (hd / vec) != 128 {
             candle_core::bail!("decode_attention: head dim {hd} unsupported for {:?}", T::DTYPE)
         }
-        let chunk = attn_chunk(max_len);
+        let batch_rows = (ATTN_THREADS as usize / (hd / vec)) * ATTN_UNROLL;
+        let chunk = attn_chunk(max_len, batch_rows);
         let n_split = max_len.div_ceil(chunk);
         let smem = (g * hd + g * chunk + ATTN_THREADS as usize * vec * g) * 4;
         if smem > 48 * 1024 {
@@ -200,9 +214,11 @@ pub(super) fn decode_attention(
                             let ((pp, _g6), (dp, _g7)) = (dptr(&pos, &stream), dptr(&pads, &stream));
                             let ((po, _g8), (pm, _g9)) = (dptr(&part_o, &stream), dptr(&part_ml, &stream));
                             let ((np, _g10), (op, _g11)) = (dptr(&cnt, &stream), dptr(&out, &stream));
-                            let mut args = vec![qp, cp, sp, kp, vp, pp, dp, po, pm, np, op];
+                            // k_out, v_out: the same buffers, written only with `append`.
+                            let mut args = vec![qp, cp, sp, kp, vp, kp, vp, pp, dp, po, pm, np, op];
                             args.extend(ints.map(|x| Arg::I32(x as i32)));
                             args.push(Arg::F32(scale));
+                            args.push(Arg::I32(append as i32));
                             let cfg = grid(n_split, nkv, b, ATTN_THREADS, smem as u32);
                             unsafe { launch_pdl(&func, &stream, cfg, &args) }
                         })
@@ -213,9 +229,9 @@ pub(super) fn decode_attention(
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
     match s1.dtype() {
-        DType::F32 => run::<f32>(heads, p, counters, s1, l1, s2, l2),
-        DType::F16 => run::<f16>(heads, p, counters, s1, l1, s2, l2),
-        DType::BF16 => run::<bf16>(heads, p, counters, s1, l1, s2, l2),
+        DType::F32 => run::<f32>(heads, p, counters, append, s1, l1, s2, l2),
+        DType::F16 => run::<f16>(heads, p, counters, append, s1, l1, s2, l2),
+        DType::BF16 => run::<bf16>(heads, p, counters, append, s1, l1, s2, l2),
         dt => candle_core::bail!("decode_attention: unsupported dtype {dt:?}"),
     }
 }

@@ -77,15 +77,15 @@ pub fn gemv_silu_mul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.apply_op2_no_bwd(w, &Gemv { out: x.dtype(), silu_mul: true })
 }
 
-/// Warps that share one output row (the kernel's WPR): rows longer than 8192 elements are
-/// split four ways inside a block, so a 4096 x 11008 layer runs 4096 blocks instead of
-/// 1024 and keeps more loads in flight per row.
+/// Warps that share one output row (the kernel's WPR) and warps per block: one warp per
+/// row, four rows per block, for rows under 8 KiB; eight warps per row, one row per block,
+/// from there (see cuda/gemv.cu for the measurements behind the split).
 #[cfg(feature = "cuda")]
-fn warps_per_row(k: usize) -> usize {
-    if k > 8192 {
-        4
+fn split(row_bytes: usize) -> (usize, usize) {
+    if row_bytes >= 8192 {
+        (8, 8)
     } else {
-        1
+        (1, 4)
     }
 }
 
@@ -171,7 +171,6 @@ impl CustomOp2 for Gemv {
         use candle_core::cuda_backend::{CudaDType, CudaStorage};
         use half::{bf16, f16};
 
-        const WARPS: usize = 4; // GEMV_WARPS in cuda/gemv.cu
         let (m, n, k) = dims(l1, l2)?;
         self.check(s1.dtype())?;
         let size = s1.dtype().size_in_bytes();
@@ -192,7 +191,7 @@ impl CustomOp2 for Gemv {
         // `n` output columns per activation row (the gemv's n, or I for SiLU·mul).
         fn launch<T: CudaDType + DeviceRepr, O: CudaDType + DeviceRepr>(
             name: &str,
-            (m, n, k, wpr): (usize, usize, usize, usize),
+            (m, n, k, (wpr, warps)): (usize, usize, usize, (usize, usize)),
             (s1, l1, s2, l2): (&CudaStorage, &Layout, &CudaStorage, &Layout),
         ) -> Result<CudaStorage> {
             let dev = s1.device();
@@ -203,8 +202,8 @@ impl CustomOp2 for Gemv {
             let func = dev.get_or_load_custom_func(name, "gemv", ptx::GEMV)?;
             if n > 0 {
                 let cfg = LaunchConfig {
-                    grid_dim: ((n * wpr).div_ceil(WARPS) as u32, 1, 1),
-                    block_dim: (32 * WARPS as u32, 1, 1),
+                    grid_dim: ((n * wpr).div_ceil(warps) as u32, 1, 1),
+                    block_dim: (32 * warps as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 let ((xp, _gx), (wp, _gw), (yp, _gy)) = (dptr(&x, &stream), dptr(&w, &stream), dptr(&y, &stream));
@@ -214,8 +213,8 @@ impl CustomOp2 for Gemv {
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
         let args = (s1, l1, s2, l2);
-        let wpr = warps_per_row(k);
-        let suffix = format!("m{bucket}_w{wpr}");
+        let wpr = split(k * size);
+        let suffix = format!("m{bucket}_w{}", wpr.0);
         if self.silu_mul {
             let d = (m, n / 2, k, wpr);
             let y = match s1.dtype() {
