@@ -70,6 +70,30 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Thread-block clusters (sm_90+; the host launches with a cluster shape only there).
+// `cluster_sync`: every thread of every block of the cluster arrives, shared-memory writes
+// before it are visible to the cluster's blocks after it. `ld_cluster`: a float from the
+// shared memory of block `rank` of this cluster (`p` is this block's copy of the address).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float ld_cluster(const float* p, uint32_t rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"((uint32_t)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    return rank == 0 ? *p : 0.f;
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

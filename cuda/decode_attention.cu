@@ -1,10 +1,15 @@
 // Decode attention (one query token per sequence) over a dense KV cache, split along the
 // keys ("flash-decoding"), grouped-query aware: one block reads a KV head's chunk of keys
-// once for all the query heads that share it. One launch: the last block of a KV head to
-// finish merges the chunks' partial results (a counter per (sequence, KV head), reset by
-// that block, so a captured graph replays it), with the partials' loads batched (lanes
-// over chunks for the maxima and sums, ATTN_MERGE chunks at a time for the outputs): a
-// loop of dependent loads per chunk made a 16k-token merge a chain of ~128 L2 trips. With `append` the same launch also does
+// once for all the query heads that share it. One launch. Up to `cluster` (8) active
+// chunks per KV head merge inside a thread-block cluster: launched with clusters of
+// `cluster` blocks along x, block 0 of the head reads the others' partial results from
+// their shared memory (two cluster barriers, no global memory). More chunks (long
+// contexts) merge through global memory: the last block of a KV head to finish merges
+// the chunks' partials (a counter per (sequence, KV head), reset by that block, so a
+// captured graph replays it), with the partials' loads batched (lanes over chunks for the
+// maxima and sums, ATTN_MERGE chunks at a time for the outputs). `cluster` 0: always the
+// global merge (the host uses clusters only on sm_90+, at batch 1, and for caches of at
+// most ATTN_MAX_CLUSTER chunks, where one cluster covers a KV head). With `append` the same launch also does
 // the decode step's RoPE + cache append: the block holding row pos rotates the new K,
 // writes K and V to row pos (k_out, v_out: the same buffers as k_cache, v_cache) and uses
 // them from shared memory; no other block reads row pos.
@@ -22,7 +27,7 @@
 //   counters [b, nkv] u32             zero between launches (the merging block resets it)
 //   out      [b, nh, hd] T
 // The launch shape is fixed by the capacity, not by pos: n_split = ceil(max_len / chunk)
-// blocks per KV head, `chunk` (a host choice) bounding the keys per block. Each launch
+// blocks per KV head (rounded up to a multiple of `cluster` in the grid), `chunk` (a host choice) bounding the keys per block. Each launch
 // spreads the len = pos + 1 keys over those blocks: c = clamp(ceil(len / n_split), B,
 // chunk) keys per block, B = the rows one round of loads covers (ATTN_UNROLL rows per lane
 // group: 32 for f16 at hd 128), so a short context keeps many blocks busy (129 keys: 5
@@ -45,6 +50,7 @@ using namespace lowbit;
 #define ATTN_THREADS 128
 #define ATTN_UNROLL 4
 #define ATTN_MERGE 8
+#define ATTN_MAX_CLUSTER 8
 
 // grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem
 // (g*hd + g*chunk + ATTN_THREADS*VEC*g) floats.
@@ -55,7 +61,8 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
                             const uint32_t* __restrict__ pos_p, const uint32_t* __restrict__ pads,
                             float* __restrict__ part_o, float* __restrict__ part_ml,
                             uint32_t* __restrict__ counters, T* __restrict__ out, int nh, int nkv,
-                            int hd, int max_len, int n_split, int chunk, float scale, int append) {
+                            int hd, int max_len, int n_split, int chunk, float scale, int append,
+                            int cluster) {
     constexpr int VEC = 16 / sizeof(T);
     extern __shared__ float sh[];
     __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
@@ -73,9 +80,19 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
     // keys per block
     const int c = min(chunk, max(rows_per_pass * ATTN_UNROLL, (len + n_split - 1) / n_split));
     const int start = split * c;
-    if (start >= len) return;
-    const int end = min(start + c, len), n = end - start;
     const int n_active = (len + c - 1) / c;
+    // Up to `cluster` active chunks merge through distributed shared memory in cluster 0
+    // (blocks 0..cluster of this KV head); more go through global memory and a counter.
+    const bool in_cluster = cluster > 0 && n_active > 1 && n_active <= cluster;
+    if (start >= len) {
+        if (!in_cluster || split >= cluster) return;
+        // An empty member of cluster 0: contributes nothing, stays until the merge is done.
+        if (threadIdx.x < ATTN_MAX_G) { m_sh[threadIdx.x] = -INFINITY; l_sh[threadIdx.x] = 0.f; }
+        cluster_sync();
+        cluster_sync();
+        return;
+    }
+    const int end = min(start + c, len), n = end - start;
     const bool has_new = j_new < end;  // this block holds the current token's key
     const int pad = (int)pads[s];
     // This thread's RoPE pair: every q element it rotates (idx = threadIdx.x + 128 i) and
@@ -237,6 +254,40 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
         }
         return;
     }
+    if (in_cluster) {
+        // This block's unnormalised output into q_sh (free since the scores); block 0
+        // reads every member's (m, l, o) from its shared memory and writes the result.
+        for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+            const int hh = idx / hd, d = idx % hd;
+            float o = 0.f;
+            for (int u = 0; u < rows_per_pass; ++u) o += r_sh[(u * g + hh) * hd + d];
+            q_sh[idx] = o;
+        }
+        cluster_sync();
+        if (split == 0) {
+            for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+                const int hh = idx / hd;
+                float mi[ATTN_MAX_CLUSTER], m = -INFINITY;
+#pragma unroll
+                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
+                    mi[r] = r < n_active ? ld_cluster(&m_sh[hh], r) : -INFINITY;
+                    m = fmaxf(m, mi[r]);
+                }
+                float l = 0.f, o = 0.f;
+#pragma unroll
+                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
+                    if (r < n_active && mi[r] != -INFINITY) {
+                        const float w = __expf(mi[r] - m);
+                        l += w * ld_cluster(&l_sh[hh], r);
+                        o += w * ld_cluster(&q_sh[idx], r);
+                    }
+                }
+                out[(row0 + hh) * hd + idx % hd] = from_f32<T>(o / l);
+            }
+        }
+        cluster_sync();
+        return;
+    }
     for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
         const int hh = idx / hd, d = idx % hd;
         float o = 0.f;
@@ -299,9 +350,9 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
         const T* qkv, const float* cos, const float* sin, const T* k, const T* v, T* k_out,       \
         T* v_out, const uint32_t* pos, const uint32_t* pads, float* part_o, float* part_ml,       \
         uint32_t* counters, T* out, int nh, int nkv, int hd, int max_len, int n_split, int chunk, \
-        float scale, int append) {                                                                \
+        float scale, int append, int cluster) {                                                   \
         attn_decode<T>(qkv, cos, sin, k, v, k_out, v_out, pos, pads, part_o, part_ml, counters,   \
-                       out, nh, nkv, hd, max_len, n_split, chunk, scale, append);                 \
+                       out, nh, nkv, hd, max_len, n_split, chunk, scale, append, cluster);        \
     }
 
 ATTN_KERNELS(f32, float)

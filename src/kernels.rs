@@ -61,6 +61,28 @@ mod cuda {
     /// # Safety
     /// `args` must match the kernel's parameter list in number, order and type.
     pub unsafe fn launch_pdl(func: &CudaFunction, stream: &CudaStream, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        launch_ex(func, stream, cfg, 0, args)
+    }
+
+    /// [`launch_pdl`] with thread-block clusters of `cluster_x` blocks along x (sm_90+;
+    /// `grid_dim.0` must be a multiple of it).
+    ///
+    /// # Safety
+    /// As [`launch_pdl`].
+    pub unsafe fn launch_pdl_cluster(
+        func: &CudaFunction,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        cluster_x: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if cluster_x == 0 || cfg.grid_dim.0 % cluster_x != 0 {
+            candle_core::bail!("launch: grid x {} is not a multiple of the cluster's {cluster_x}", cfg.grid_dim.0)
+        }
+        launch_ex(func, stream, cfg, cluster_x, args)
+    }
+
+    unsafe fn launch_ex(func: &CudaFunction, stream: &CudaStream, cfg: LaunchConfig, cluster_x: u32, args: &[Arg]) -> Result<()> {
         let mut vals: Vec<Arg> = args.to_vec();
         let mut ptrs: Vec<*mut c_void> = vals
             .iter_mut()
@@ -71,9 +93,20 @@ mod cuda {
                 Arg::F32(v) => v as *mut f32 as *mut c_void,
             })
             .collect();
-        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+        let mut n = 0;
+        if pdl_enabled() {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster_x > 0 {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = cluster_x;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
         let lc = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -83,8 +116,8 @@ mod cuda {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: if pdl_enabled() { 1 } else { 0 },
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
         sys::cuLaunchKernelEx(&lc, func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut())
             .result()

@@ -110,7 +110,7 @@ fn positions_on(pads: &[u32], pos: u32, tabs: &(Tensor, Tensor), dev: &Device) -
 
 /// RoPE + append (prompt) and decode attention with its append folded in on the GPU against
 /// their CPU references: GQA groups 1..8, head dims 32..128, contexts across several key
-/// chunks, padding.
+/// chunks (merged in global memory, or in a cluster for small caches), padding.
 #[test]
 fn decode_attention_cuda_matches_cpu() -> Result<()> {
     use candle_lowbit::ops::{append_decode_attention, decode_attention, rope_kv_append, Heads};
@@ -123,6 +123,10 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
         (Heads { nh: 32, nkv: 32, hd: 128 }, 1, 4095, 4096),
         (Heads { nh: 6, nkv: 2, hd: 32 }, 2, 130, 131),
         (Heads { nh: 8, nkv: 2, hd: 64 }, 1, 9000, 9001),
+        // Batch 1, caches of at most 8 key chunks: merged inside a thread-block cluster (sm_90).
+        (Heads { nh: 9, nkv: 3, hd: 64 }, 1, 200, 256),
+        (Heads { nh: 32, nkv: 8, hd: 128 }, 1, 129, 160),
+        (Heads { nh: 4, nkv: 4, hd: 128 }, 1, 20, 160),
     ];
     for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
         for (ci, &(heads, b, len, max_len)) in cases.iter().enumerate() {

@@ -2,7 +2,7 @@
 //! Shapes and dtypes are validated by the callers in `decode.rs`.
 
 use super::{Heads, StepPositions};
-use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
+use crate::kernels::{contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, Arg};
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::backend::BackendStorage;
@@ -155,6 +155,29 @@ fn attn_chunk(max_len: usize, batch_rows: usize) -> usize {
     }
 }
 
+/// Blocks per thread-block cluster of `attn_decode` (ATTN_MAX_CLUSTER in its header): at
+/// batch 1, a cache of up to this many key chunks merges through distributed shared memory (H200, 7B
+/// f16 at ctx 128 in a 160-token cache: 3.69 ms/token against 3.72-3.76 with the global
+/// merge, same run).
+const ATTN_CLUSTER: usize = 8;
+
+/// Whether to launch decode attention in thread-block clusters: the device runs them
+/// (compute capability 9.0 or newer) and the environment does not set
+/// `CANDLE_LOWBIT_CLUSTERS=0` (read once; then every merge goes through global memory).
+fn clusters_supported(dev: &candle_core::CudaDevice) -> Result<bool> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("CANDLE_LOWBIT_CLUSTERS").is_ok_and(|v| v == "0")) {
+        return Ok(false);
+    }
+    let major = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .map_err(candle_core::Error::wrap)?;
+    Ok(major >= 9)
+}
+
 /// `append`: the kernel also writes row `pos` of the cache (RoPE'd K and V from `qkv`);
 /// the cache storage `s2` must then be the whole contiguous cache tensor.
 #[allow(clippy::too_many_arguments)]
@@ -188,6 +211,17 @@ pub(super) fn decode_attention(
         let batch_rows = (ATTN_THREADS as usize / (hd / vec)) * ATTN_UNROLL;
         let chunk = attn_chunk(max_len, batch_rows);
         let n_split = max_len.div_ceil(chunk);
+        // Clusters only at batch 1 and where one cluster holds a KV head's whole cache.
+        // Launched in clusters, the long-context launches (many chunks, global merge) ran
+        // slower (H200, 7B f16: ctx 4k 4.93 against 4.72 ms/token, 16k 7.41 against 6.84),
+        // and so did batches (8 / 32 / 64 at ctx 128: 5.04 / 7.64 / 11.0 ms per step
+        // against 4.77 / 6.25 / 8.09); the launch shape cannot change with the context once
+        // a graph holds it.
+        let cluster = if b == 1 && n_split > 1 && n_split <= ATTN_CLUSTER && clusters_supported(dev)? {
+            ATTN_CLUSTER
+        } else {
+            0
+        };
         let smem = (g * hd + g * chunk + ATTN_THREADS as usize * vec * g) * 4;
         if smem > 48 * 1024 {
             candle_core::bail!("decode_attention: {smem} bytes of shared memory for {heads:?} (limit 48 KiB)")
@@ -219,8 +253,13 @@ pub(super) fn decode_attention(
                             args.extend(ints.map(|x| Arg::I32(x as i32)));
                             args.push(Arg::F32(scale));
                             args.push(Arg::I32(append as i32));
-                            let cfg = grid(n_split, nkv, b, ATTN_THREADS, smem as u32);
-                            unsafe { launch_pdl(&func, &stream, cfg, &args) }
+                            args.push(Arg::I32(cluster as i32));
+                            if cluster == 0 {
+                                let cfg = grid(n_split, nkv, b, ATTN_THREADS, smem as u32);
+                                return unsafe { launch_pdl(&func, &stream, cfg, &args) };
+                            }
+                            let cfg = grid(n_split.next_multiple_of(cluster), nkv, b, ATTN_THREADS, smem as u32);
+                            unsafe { launch_pdl_cluster(&func, &stream, cfg, cluster as u32, &args) }
                         })
                     })
                 })
