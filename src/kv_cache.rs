@@ -1,9 +1,10 @@
 //! `KvCache`: one layer's key/value cache, and the swap point for KV formats.
 //!
-//! The cache is preallocated to `[batch, n_kv_heads, max_len, head_dim]` on first use
-//! and written in place (`slice_set`): no `Tensor::cat` per step. Attention is a method
-//! of the cache, so that a quantized cache can read its own encoding inside a fused
-//! attention kernel; the model only calls `append` and `attend`.
+//! The cache is preallocated to `[2, batch, n_kv_heads, max_len, head_dim]` on first use
+//! and written in place by fused kernels: no `Tensor::cat` per step. Appending and
+//! attention are methods of the cache, so that a quantized cache can write and read its
+//! own encoding inside fused kernels; the model calls `append_attend_decode` for one new
+//! token per sequence (one launch on CUDA), and `append` then `attend` for prompts.
 
 use crate::ops::decode::{append_decode_attention, decode_attention, rope_kv_append, Heads, StepPositions};
 use candle_core::{DType, Device, Result, Tensor};
