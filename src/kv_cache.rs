@@ -94,23 +94,22 @@ impl KvCache {
     /// copy of `p.pos`, used to allocate at 0 and to check the capacity.
     pub fn append(&mut self, qkv: &Tensor, pos: usize, p: &StepPositions) -> Result<()> {
         let heads = self.heads;
-        rope_kv_append(self.storage_for(qkv, pos)?, qkv, heads, p)
+        rope_kv_append(self.storage_for(qkv, pos)?.0, qkv, heads, p)
     }
 
     /// A decode step's attention with its append: as [`KvCache::append`] of the one new
     /// token per sequence (`qkv` `[b, 1, ..]`) followed by [`KvCache::attend_decode`], in one
     /// launch on CUDA. Callers check [`Heads::fused_ok`] first.
     pub fn append_attend_decode(&mut self, qkv: &Tensor, pos: usize, p: &StepPositions) -> Result<Tensor> {
-        self.storage_for(qkv, pos)?;
-        let (Some(kv), Some(counters)) = (&self.kv, &self.counters) else {
-            candle_core::bail!("kv cache: no storage after allocation")
-        };
-        append_decode_attention(qkv, kv, counters, self.heads, p)
+        let heads = self.heads;
+        let (kv, counters) = self.storage_for(qkv, pos)?;
+        append_decode_attention(qkv, kv, counters, heads, p)
     }
 
-    /// The cache tensor for rows `pos..pos + seq` of `qkv` `[b, seq, ..]`: allocated at
-    /// position 0 (for batch `b`), else checked against `b` and the capacity.
-    fn storage_for(&mut self, qkv: &Tensor, pos: usize) -> Result<&Tensor> {
+    /// The cache tensor and merge counters for rows `pos..pos + seq` of `qkv`
+    /// `[b, seq, ..]`: allocated at position 0 (for batch `b`), else checked against `b`
+    /// and the capacity.
+    fn storage_for(&mut self, qkv: &Tensor, pos: usize) -> Result<(&Tensor, &Tensor)> {
         let (b, seq, _) = qkv.dims3()?;
         if pos + seq > self.max_len {
             candle_core::bail!(
@@ -124,11 +123,13 @@ impl KvCache {
             self.kv = Some(Tensor::zeros(shape, self.dtype, &self.device)?);
             self.counters = Some(Tensor::zeros(b * self.heads.nkv, DType::U32, &self.device)?);
         }
-        let Some(kv) = &self.kv else { candle_core::bail!("kv cache: first append must be at position 0, got {pos}") };
+        let (Some(kv), Some(counters)) = (&self.kv, &self.counters) else {
+            candle_core::bail!("kv cache: first append must be at position 0, got {pos}")
+        };
         if kv.dims()[1] != b {
             candle_core::bail!("kv cache: batch {b} but the cache holds batch {}", kv.dims()[1])
         }
-        Ok(kv)
+        Ok((kv, counters))
     }
 
     /// Attention of the one new token per sequence (`qkv` `[b, 1, ..]`, as given to

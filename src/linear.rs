@@ -196,10 +196,11 @@ impl QLinear {
 }
 
 /// Where dense layers on the GPU use the skinny-matmul kernel (`ops::gemv`) instead of
-/// cuBLAS: up to `GEMV_ROWS` rows of input. Measured on the H200 (f16, BENCHMARKS.md): at
-/// m = 1, 4096x4096 12.4 µs against cuBLAS's 16.1, 11008x4096 23.7 against 25.6, 4096x11008
-/// 23.3 against 28.8 (rows split over four warps); at m = 2 / 4 / 8 cuBLAS wins
-/// (4096x4096: 15.0 / 15.5 / 16.1 against 16.6 / 24.1 / 39.6).
+/// cuBLAS: up to `GEMV_ROWS` rows of input. Measured on the H200 (f16, full bench run of
+/// 2026-12-01 07:47, BENCHMARKS.md): at m = 1, 4096x4096 9.5 µs against cuBLAS's 14.3,
+/// 11008x4096 21.9 against 27.2, 4096x11008 22.4 against 29.5; at m = 2 / 4 / 8 cuBLAS won
+/// against the kernel's earlier one-warp-per-row form (4096x4096: 15.0 / 15.5 / 16.1 against
+/// 16.6 / 24.1 / 39.6), so those stay on cuBLAS.
 pub const GEMV_ROWS: usize = 1;
 
 fn use_gemv(x: &Tensor, w: &Tensor) -> bool {
