@@ -269,7 +269,7 @@ const REFERENCE_READ_BYTES_PER_S: f64 = 4.3e12;
 /// measured in this run, `floor_ms`, and how close the row comes to it, `of_floor` (floor /
 /// measured); and the same bytes at the reference rate, `floor_ref_ms` and `of_floor_ref`.
 /// The measured ceiling is the stricter one (our 2 GiB single-launch read runs faster than
-/// the reference rate: 4.5–4.6 TB/s on the H200).
+/// the reference rate: 4.47–4.56 TB/s on the H200 in the runs of 2026-12-01).
 fn with_floor(ctx: &mut Ctx, p: &Plan, e: &Engine, row: Row) -> Result<Row> {
     let (Some(ms), Some(c), Some(b)) = (row.get("ms/step"), row.get("ctx"), row.get("batch")) else { return Ok(row) };
     let cfg = &p.cfg;
