@@ -270,8 +270,14 @@ fn print_json(
         "tokens": ours.tokens,
         "seconds": ours.secs,
         "model": s.loaded.name,
-        "quant": s.quant.name(),
-        "bits_per_weight": s.loaded.model.bits_per_weight()?,
+        "quant": s.loaded.format.name(),
+        "bits_per_weight": s.loaded.model.bits_per_weight(),
+        "head": s.loaded.model.lm_head().format_name(),
+        "calibration": s.loaded.calibration.as_ref().map(|c| serde_json::json!({
+            "file": c.file, "sha256": c.sha256, "samples": c.samples, "len": c.len, "seed": c.seed,
+        })),
+        "calibration_in_sample": in_sample(s, &args.text),
+        "load_seconds": s.load_secs,
         "kv_cache": s.kv_cache.name(),
         "dtype": s.dtype.as_str(),
         "device": common::device_name(&s.device),
@@ -290,6 +296,13 @@ fn print_json(
     }
     println!("{j}");
     Ok(())
+}
+
+/// Whether the model was calibrated on the very text being scored (then the perplexity is
+/// in-sample, and every table must say so).
+fn in_sample(s: &common::Session, text: &Path) -> bool {
+    let Some(c) = &s.loaded.calibration else { return false };
+    std::fs::read(text).is_ok_and(|b| candle_lowbit::checkpoint::sha256_hex(&b) == c.sha256)
 }
 
 fn check_args(args: &Args) -> Result<usize> {
@@ -319,6 +332,9 @@ fn main() -> Result<()> {
         eprintln!("{header}");
     } else {
         println!("{header}");
+    }
+    if in_sample(&s, &args.text) {
+        eprintln!("note: the model was calibrated on this text: the perplexity is in-sample");
     }
     let tokens = tokenize(text, &args.text, &s.loaded.tokenizer, args.max_tokens)?;
     let all = windows(tokens.len(), args.ctx, stride);

@@ -10,9 +10,10 @@
 //! - batches of prompts of different lengths work: left-pad them and call
 //!   [`Cache::set_left_padding`]; masks and RoPE positions then skip the padding.
 
+use crate::formats::{Activation, InputEncoding, WeightFormat};
 use crate::kv_cache::{causal_mask, KvCache, KvFormat};
-use crate::linear::{QLinear, WeightFormat};
-use crate::ops::{add_rms_norm, embed_gather, Heads, StepPositions};
+use crate::linear::QLinear;
+use crate::ops::{add_rms_norm_as, embed_gather, rms_norm_as, Heads, StepPositions};
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -207,6 +208,111 @@ impl Cache {
     }
 }
 
+/// The linear layers of a block, in forward order. Each is one [`QLinear`], stacked from
+/// its HF-named parts along the output rows (QKV: q, k, v; gate/up: gate, up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Slot {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+}
+
+impl Slot {
+    pub const ALL: [Self; 4] = [Self::Qkv, Self::O, Self::GateUp, Self::Down];
+
+    /// The HF names of the parts under `model.layers.{layer}.`, with their rows, for `cfg`.
+    pub fn parts(&self, cfg: &Config, layer: usize) -> Vec<(String, usize)> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let hd = h / cfg.num_attention_heads.max(1);
+        let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        let names: &[(&str, usize)] = match self {
+            Self::Qkv => &[("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+            Self::O => &[("self_attn.o_proj", h)],
+            Self::GateUp => &[("mlp.gate_proj", i), ("mlp.up_proj", i)],
+            Self::Down => &[("mlp.down_proj", h)],
+        };
+        names.iter().map(|(n, r)| (format!("model.layers.{layer}.{n}"), *r)).collect()
+    }
+
+    /// The layer's input width.
+    pub fn in_dim(&self, cfg: &Config) -> usize {
+        let hd = cfg.hidden_size / cfg.num_attention_heads.max(1);
+        match self {
+            Self::Qkv | Self::GateUp => cfg.hidden_size,
+            Self::O => cfg.num_attention_heads * hd,
+            Self::Down => cfg.intermediate_size,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Qkv => "qkv",
+            Self::O => "o",
+            Self::GateUp => "gate_up",
+            Self::Down => "down",
+        }
+    }
+}
+
+/// Where [`Llama::load_from`] gets its weights: a dense `VarBuilder`, or a quantized
+/// checkpoint ([`crate::checkpoint`]).
+pub trait WeightSource {
+    /// A dense tensor (embedding, norms) by HF name, of `dims`.
+    fn tensor(&self, name: &str, dims: &[usize]) -> Result<Tensor>;
+    /// One linear layer stacked from HF-named parts `(name, rows)` along the output rows,
+    /// each `[rows, in_dim]`.
+    fn linear(&self, parts: &[(String, usize)], in_dim: usize) -> Result<QLinear>;
+    /// The output head `[vocab, hidden]`; with tied embeddings a dense source reuses `embed`.
+    fn lm_head(&self, cfg: &Config, embed: &Tensor) -> Result<QLinear> {
+        if cfg.tie_word_embeddings {
+            QLinear::from_weight(embed.clone(), None)
+        } else {
+            self.linear(&[("lm_head".to_string(), cfg.vocab_size)], cfg.hidden_size)
+        }
+    }
+}
+
+impl WeightSource for VarBuilder<'_> {
+    fn tensor(&self, name: &str, dims: &[usize]) -> Result<Tensor> {
+        self.get(dims, name)
+    }
+
+    fn linear(&self, parts: &[(String, usize)], in_dim: usize) -> Result<QLinear> {
+        let ws = parts
+            .iter()
+            .map(|(name, rows)| self.get((*rows, in_dim), &format!("{name}.weight")))
+            .collect::<Result<Vec<_>>>()?;
+        let w = if ws.len() == 1 { ws[0].clone() } else { Tensor::cat(&ws, 0)? };
+        QLinear::from_weight(w, None)
+    }
+}
+
+/// What calibration sees of a forward pass ([`Llama::block_prefill`] calls it; every method
+/// defaults to doing nothing).
+pub trait Observer {
+    /// The input `x` `[.., in]` (dense) of linear layer `slot` of block `layer`.
+    fn linear_input(&mut self, layer: usize, slot: Slot, x: &Tensor) -> Result<()> {
+        let _ = (layer, slot, x);
+        Ok(())
+    }
+    /// Whether [`Observer::kv`] wants to be called (the model then computes K after RoPE
+    /// for it).
+    fn wants_kv(&self) -> bool {
+        false
+    }
+    /// Keys before and after RoPE and values of block `layer`, each `[b, seq, nkv · hd]`.
+    fn kv(&mut self, layer: usize, k_pre: &Tensor, k_post: &Tensor, v: &Tensor) -> Result<()> {
+        let _ = (layer, k_pre, k_post, v);
+        Ok(())
+    }
+}
+
+/// An observer that observes nothing.
+pub struct NoObserver;
+
+impl Observer for NoObserver {}
+
 #[derive(Debug, Clone)]
 struct Attention {
     qkv: QLinear,
@@ -227,26 +333,33 @@ struct StepCtx<'a> {
 }
 
 impl Attention {
-    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
-        let (h, n_h, n_kv) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads);
-        let hd = h / n_h;
-        let w = |name: &str, rows: usize| vb.pp(name).get((rows, h), "weight");
-        let qkv = Tensor::cat(&[w("q_proj", n_h * hd)?, w("k_proj", n_kv * hd)?, w("v_proj", n_kv * hd)?], 0)?;
-        let o = QLinear::load(n_h * hd, h, false, vb.pp("o_proj"))?;
-        Ok(Self { qkv: QLinear::from_weight(qkv, None), o, n_h, n_kv, hd })
-    }
-
     fn heads(&self) -> Heads {
         Heads { nh: self.n_h, nkv: self.n_kv, hd: self.hd }
+    }
+
+    /// Tell `obs` this step's keys (before and after RoPE) and values.
+    fn observe_kv(&self, qkv: &Tensor, ctx: &StepCtx, layer: usize, obs: &mut dyn Observer) -> Result<()> {
+        if !obs.wants_kv() {
+            return Ok(());
+        }
+        let (b, seq, _) = qkv.dims3()?;
+        let (n_h, n_kv, hd) = (self.n_h, self.n_kv, self.hd);
+        let k = qkv.narrow(2, n_h * hd, n_kv * hd)?;
+        let v = qkv.narrow(2, (n_h + n_kv) * hd, n_kv * hd)?;
+        let kr = k.reshape((b, seq, n_kv, hd))?.transpose(1, 2)?.contiguous()?;
+        let kr = candle_nn::rotary_emb::rope(&kr, ctx.cos, ctx.sin)?.transpose(1, 2)?.reshape((b, seq, n_kv * hd))?;
+        obs.kv(layer, &k, &kr, &v)
     }
 
     /// One token per sequence: the fused append + decode attention (one launch on CUDA).
     /// Prompts: the fused append (RoPE on K, K and V into the cache), then candle ops over
     /// the cache.
-    fn forward(&self, x: &Tensor, kv: &mut KvCache, ctx: &StepCtx) -> Result<Tensor> {
-        let (b, seq, _) = x.dims3()?;
+    fn forward(&self, x: &Activation, kv: &mut KvCache, ctx: &StepCtx, layer: usize, obs: &mut dyn Observer) -> Result<Tensor> {
+        let (b, seq, _) = x.dense()?.dims3()?;
         let (n_h, hd) = (self.n_h, self.hd);
-        let qkv = self.qkv.forward(x)?;
+        obs.linear_input(layer, Slot::Qkv, x.dense()?)?;
+        let qkv = self.qkv.forward_act(x)?;
+        self.observe_kv(&qkv, ctx, layer, obs)?;
         let y = if seq == 1 && self.heads().fused_ok() {
             kv.append_attend_decode(&qkv, ctx.pos, ctx.dev)?
         } else {
@@ -256,6 +369,7 @@ impl Attention {
             let y = kv.attend(&q, ctx.pos + seq, ctx.mask)?;
             y.transpose(1, 2)?.reshape((b, seq, n_h * hd))?
         };
+        obs.linear_input(layer, Slot::O, &y)?;
         self.o.forward(&y)
     }
 }
@@ -268,17 +382,11 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let gate = vb.pp("gate_proj").get((i, h), "weight")?;
-        let up = vb.pp("up_proj").get((i, h), "weight")?;
-        let gate_up = QLinear::from_weight(Tensor::cat(&[gate, up], 0)?, None);
-        let down = QLinear::load(i, h, false, vb.pp("down_proj"))?;
-        Ok(Self { gate_up, down })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.down.forward(&self.gate_up.forward_silu_mul(x)?)
+    fn forward(&self, x: &Activation, layer: usize, obs: &mut dyn Observer) -> Result<Tensor> {
+        obs.linear_input(layer, Slot::GateUp, x.dense()?)?;
+        let h = self.gate_up.forward_silu_mul(x.dense()?)?;
+        obs.linear_input(layer, Slot::Down, &h)?;
+        self.down.forward(&h)
     }
 }
 
@@ -288,6 +396,56 @@ struct Block {
     attn: Attention,
     mlp_norm: Tensor,
     mlp: Mlp,
+}
+
+impl Block {
+    fn load(src: &dyn WeightSource, cfg: &Config, layer: usize) -> Result<Self> {
+        let (h, n_h, n_kv) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads);
+        let lin = |s: Slot| src.linear(&s.parts(cfg, layer), s.in_dim(cfg));
+        let p = format!("model.layers.{layer}");
+        Ok(Self {
+            attn_norm: src.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
+            attn: Attention { qkv: lin(Slot::Qkv)?, o: lin(Slot::O)?, n_h, n_kv, hd: h / n_h },
+            mlp_norm: src.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+            mlp: Mlp { gate_up: lin(Slot::GateUp)?, down: lin(Slot::Down)? },
+        })
+    }
+
+    fn linear(&self, slot: Slot) -> &QLinear {
+        match slot {
+            Slot::Qkv => &self.attn.qkv,
+            Slot::O => &self.attn.o,
+            Slot::GateUp => &self.mlp.gate_up,
+            Slot::Down => &self.mlp.down,
+        }
+    }
+
+    fn linear_mut(&mut self, slot: Slot) -> &mut QLinear {
+        match slot {
+            Slot::Qkv => &mut self.attn.qkv,
+            Slot::O => &mut self.attn.o,
+            Slot::GateUp => &mut self.mlp.gate_up,
+            Slot::Down => &mut self.mlp.down,
+        }
+    }
+
+    /// The block over the residual stream `res` and its normed copy `xn`: returns the new
+    /// residual and its norm under `next` (the next block's input norm, or the final one,
+    /// in the encoding the projection after it reads).
+    fn forward(
+        &self,
+        (res, xn): (&Tensor, &Activation),
+        next: (&Tensor, InputEncoding),
+        kv: &mut KvCache,
+        ctx: &StepCtx,
+        (layer, eps): (usize, f32),
+        obs: &mut dyn Observer,
+    ) -> Result<(Tensor, Activation)> {
+        let a = self.attn.forward(xn, kv, ctx, layer, obs)?;
+        let (res, xn) = add_rms_norm_as(&a, res, &self.mlp_norm, eps, self.mlp.gate_up.input_encoding())?;
+        let m = self.mlp.forward(&xn, layer, obs)?;
+        add_rms_norm_as(&m, &res, next.0, eps, next.1)
+    }
 }
 
 /// The model. `forward` returns f32 logits of the last position, `[b, vocab]`.
@@ -305,7 +463,15 @@ impl Llama {
     /// Load from a `VarBuilder` over HF Llama tensor names (`model.layers.N.self_attn.q_proj`...),
     /// dense weights in the VarBuilder's dtype.
     pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        Self::load_from(&vb, cfg)
+    }
+
+    /// Load from any [`WeightSource`] (a `VarBuilder`, a quantized checkpoint).
+    pub fn load_from(src: &dyn WeightSource, cfg: &Config) -> Result<Self> {
         let h = cfg.hidden_size;
+        if cfg.num_attention_heads == 0 || h % cfg.num_attention_heads != 0 {
+            candle_core::bail!("config: hidden_size {h} not divisible by {} heads", cfg.num_attention_heads)
+        }
         if cfg.num_key_value_heads == 0 || cfg.num_attention_heads % cfg.num_key_value_heads != 0 {
             candle_core::bail!(
                 "config: {} attention heads not a multiple of {} kv heads",
@@ -313,28 +479,61 @@ impl Llama {
                 cfg.num_key_value_heads
             )
         }
-        let embed = vb.pp("model.embed_tokens").get((cfg.vocab_size, h), "weight")?;
-        let lm_head = if cfg.tie_word_embeddings {
-            QLinear::from_weight(embed.clone(), None)
-        } else {
-            QLinear::load(h, cfg.vocab_size, false, vb.pp("lm_head"))?
-        };
-        let blocks = (0..cfg.num_hidden_layers)
-            .map(|i| {
-                let vb = vb.pp(format!("model.layers.{i}"));
-                Ok(Block {
-                    attn_norm: vb.pp("input_layernorm").get(h, "weight")?,
-                    attn: Attention::load(vb.pp("self_attn"), cfg)?,
-                    mlp_norm: vb.pp("post_attention_layernorm").get(h, "weight")?,
-                    mlp: Mlp::load(vb.pp("mlp"), cfg)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let norm = vb.pp("model.norm").get(h, "weight")?;
+        let embed = src.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let lm_head = src.lm_head(cfg, &embed)?;
+        let blocks = (0..cfg.num_hidden_layers).map(|i| Block::load(src, cfg, i)).collect::<Result<Vec<_>>>()?;
+        let norm = src.tensor("model.norm.weight", &[h])?;
         Ok(Self { embed, blocks, norm, lm_head, eps: cfg.rms_norm_eps as f32, hidden: h })
     }
 
-    /// Every linear layer, mutably, in a fixed order (for swapping formats).
+    pub fn num_layers(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Linear layer `slot` of block `layer`.
+    pub fn linear(&self, layer: usize, slot: Slot) -> Result<&QLinear> {
+        match self.blocks.get(layer) {
+            Some(b) => Ok(b.linear(slot)),
+            None => candle_core::bail!("layer {layer} out of range ({} layers)", self.blocks.len()),
+        }
+    }
+
+    /// Replace linear layer `slot` of block `layer` (same shape).
+    pub fn set_linear(&mut self, layer: usize, slot: Slot, l: QLinear) -> Result<()> {
+        let n = self.blocks.len();
+        let Some(b) = self.blocks.get_mut(layer) else { candle_core::bail!("layer {layer} out of range ({n} layers)") };
+        let cur = b.linear_mut(slot);
+        if cur.shape() != l.shape() {
+            candle_core::bail!("layer {layer} {}: new weight {:?} for a {:?} layer", slot.name(), l.shape(), cur.shape())
+        }
+        *cur = l;
+        Ok(())
+    }
+
+    pub fn lm_head(&self) -> &QLinear {
+        &self.lm_head
+    }
+
+    pub fn set_lm_head(&mut self, l: QLinear) -> Result<()> {
+        if l.shape() != self.lm_head.shape() {
+            candle_core::bail!("lm_head: new weight {:?} for a {:?} head", l.shape(), self.lm_head.shape())
+        }
+        self.lm_head = l;
+        Ok(())
+    }
+
+    /// The dense tensors (embedding, norms) by HF name.
+    pub fn dense_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed.clone())];
+        for (i, b) in self.blocks.iter().enumerate() {
+            v.push((format!("model.layers.{i}.input_layernorm.weight"), b.attn_norm.clone()));
+            v.push((format!("model.layers.{i}.post_attention_layernorm.weight"), b.mlp_norm.clone()));
+        }
+        v.push(("model.norm.weight".to_string(), self.norm.clone()));
+        v
+    }
+
+    /// Every linear layer, mutably, in a fixed order (blocks' slots, then the head).
     pub fn linears_mut(&mut self) -> Vec<&mut QLinear> {
         let mut v = Vec::with_capacity(self.blocks.len() * 4 + 1);
         for b in self.blocks.iter_mut() {
@@ -346,55 +545,78 @@ impl Llama {
 
     /// Every linear layer, in the order of `linears_mut`.
     pub fn linears(&self) -> Vec<&QLinear> {
-        let mut v: Vec<&QLinear> = self.blocks.iter().flat_map(|b| [&b.attn.qkv, &b.attn.o, &b.mlp.gate_up, &b.mlp.down]).collect();
+        let mut v: Vec<&QLinear> =
+            self.blocks.iter().flat_map(|b| [&b.attn.qkv, &b.attn.o, &b.mlp.gate_up, &b.mlp.down]).collect();
         v.push(&self.lm_head);
         v
     }
 
-    /// Re-encode every linear layer in `format`, except the output head, which a GGML
-    /// format keeps at Q8_0 (as llama.cpp does: it is the most sensitive matrix, and the
-    /// default GGUF ships it that way). Returns how many layers took the block-32
-    /// fallback (rows not a multiple of the format's block).
-    pub fn quantize(&mut self, format: WeightFormat) -> Result<usize> {
-        let mut fallbacks = 0;
+    /// The format the output head takes when the blocks take `format`: itself for dense,
+    /// Q8_0 otherwise (as llama.cpp does: it is the most sensitive matrix, and the default
+    /// GGUF ships it that way).
+    pub fn head_format(format: WeightFormat) -> WeightFormat {
+        if format == WeightFormat::Dense {
+            format
+        } else {
+            WeightFormat::Q8_0
+        }
+    }
+
+    /// Re-encode every linear layer in `format` (one that needs no calibration; GPTQ
+    /// formats go through [`crate::calib::quantize_model`]), the head in
+    /// [`Llama::head_format`].
+    pub fn quantize(&mut self, format: WeightFormat) -> Result<()> {
+        if format.needs_calibration() {
+            candle_core::bail!(
+                "{format} needs calibration statistics: quantize through candle_lowbit::calib::quantize_model \
+                 (the tools: --calib FILE)"
+            )
+        }
         let mut layers = self.linears_mut();
         let head = layers.pop();
         for l in layers {
-            let (_, k) = l.shape()?;
-            if let Some((_, true)) = format.ggml_dtype(k) {
-                fallbacks += 1;
-            }
             *l = l.quantize(format)?;
         }
         if let Some(head) = head {
-            let head_format = if format == WeightFormat::Dense { format } else { WeightFormat::Q8_0 };
-            *head = head.quantize(head_format)?;
+            *head = head.quantize(Self::head_format(format))?;
         }
-        Ok(fallbacks)
+        Ok(())
     }
 
     /// Bits per weight over all linear layers, counting every byte they read.
-    pub fn bits_per_weight(&self) -> Result<f64> {
+    pub fn bits_per_weight(&self) -> f64 {
         let (mut bytes, mut n) = (0usize, 0usize);
         for l in self.linears() {
-            let (o, i) = l.shape()?;
-            bytes += l.weight_bytes()?;
+            let (o, i) = l.shape();
+            bytes += l.weight_bytes();
             n += o * i;
         }
-        Ok(bytes as f64 * 8.0 / n.max(1) as f64)
+        bytes as f64 * 8.0 / n.max(1) as f64
     }
 
     /// Bytes of every weight the model holds (linear layers, embedding, norms).
-    pub fn weight_bytes(&self) -> Result<usize> {
-        let t = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        let mut bytes = t(&self.embed) + t(&self.norm);
-        for l in self.linears() {
-            bytes += l.weight_bytes()?;
-        }
+    pub fn weight_bytes(&self) -> usize {
+        let dense: usize = self.dense_tensors().iter().map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes()).sum();
+        dense + self.linears().iter().map(|l| l.weight_bytes()).sum::<usize>()
+    }
+
+    /// The decode paths not taken, once per distinct reason: "`layers` `what`: `reason`"
+    /// (the graph decoder prints them).
+    pub fn path_notes(&self) -> Vec<String> {
+        let mut notes: Vec<(String, usize)> = vec![];
+        let mut add = |what: String| match notes.iter_mut().find(|(n, _)| *n == what) {
+            Some((_, c)) => *c += 1,
+            None => notes.push((what, 1)),
+        };
         for b in &self.blocks {
-            bytes += t(&b.attn_norm) + t(&b.mlp_norm);
+            if let Err(why) = &b.mlp.gate_up.plan().silu_mul {
+                add(format!("gate/up SiLU·mul unfused: {why}"));
+            }
         }
-        Ok(bytes)
+        if let Err(why) = &self.lm_head.plan().f32_out {
+            add(format!("output head f32 logits by a cast: {why}"));
+        }
+        notes.into_iter().map(|(n, c)| format!("{c} layer(s): {n}")).collect()
     }
 
     /// Hidden states after the final norm, `[b, seq, hidden]`.
@@ -416,22 +638,61 @@ impl Llama {
         };
         let dev = cache.step_positions(&pads, Tensor::new(&[index_pos as u32], input_ids.device())?)?;
         let ctx = StepCtx { pos: index_pos, dev: &dev, cos: &cos, sin: &sin, mask: mask.as_ref() };
-        self.layers(&input_ids.flatten_all()?, (b, seq), &ctx, &mut cache.kvs)
+        let xn = self.layers(&input_ids.flatten_all()?, (b, seq), &ctx, &mut cache.kvs)?;
+        Ok(xn.dense()?.clone())
+    }
+
+    /// The embedding of `ids` `[b, seq]` and its first norm: the state before block 0,
+    /// `(res, xn)`, each `[b, seq, hidden]`.
+    pub fn embed(&self, ids: &Tensor) -> Result<(Tensor, Activation)> {
+        let (b, seq) = ids.dims2()?;
+        let res = embed_gather(&self.embed, &ids.flatten_all()?)?.reshape((b, seq, self.hidden))?;
+        let Some(first) = self.blocks.first() else { candle_core::bail!("model has no layers") };
+        let xn = rms_norm_as(&res, &first.attn_norm, self.eps, first.attn.qkv.input_encoding())?;
+        Ok((res, xn))
+    }
+
+    /// The norm and encoding after block `i`: the next block's input norm, or the final one.
+    fn next_norm(&self, i: usize) -> (&Tensor, InputEncoding) {
+        match self.blocks.get(i + 1) {
+            Some(b) => (&b.attn_norm, b.attn.qkv.input_encoding()),
+            None => (&self.norm, self.lm_head.input_encoding()),
+        }
     }
 
     /// The transformer over token ids `[b * seq]`: embedding, every block, final norm.
-    fn layers(&self, ids: &Tensor, (b, seq): (usize, usize), ctx: &StepCtx, kvs: &mut [KvCache]) -> Result<Tensor> {
-        let mut res = embed_gather(&self.embed, ids)?.reshape((b, seq, self.hidden))?;
-        let Some(first) = self.blocks.first() else { candle_core::bail!("model has no layers") };
-        let mut xn = candle_nn::ops::rms_norm(&res, &first.attn_norm, self.eps)?;
+    fn layers(&self, ids: &Tensor, (b, seq): (usize, usize), ctx: &StepCtx, kvs: &mut [KvCache]) -> Result<Activation> {
+        let (mut res, mut xn) = self.embed(&ids.reshape((b, seq))?)?;
         for (i, (blk, kv)) in self.blocks.iter().zip(kvs.iter_mut()).enumerate() {
-            let a = blk.attn.forward(&xn, kv, ctx)?;
-            (res, xn) = add_rms_norm(&a, &res, &blk.mlp_norm, self.eps)?;
-            let m = blk.mlp.forward(&xn)?;
-            let next_norm = self.blocks.get(i + 1).map(|b| &b.attn_norm).unwrap_or(&self.norm);
-            (res, xn) = add_rms_norm(&m, &res, next_norm, self.eps)?;
+            (res, xn) = blk.forward((&res, &xn), self.next_norm(i), kv, ctx, (i, self.eps), &mut NoObserver)?;
         }
         Ok(xn)
+    }
+
+    /// Block `layer` alone over a batch of prompts that start at position 0, from the state
+    /// before it (`res`, `xn` `[b, seq, hidden]`, as [`Llama::embed`] or the previous call
+    /// returned) to the state after it; `obs` sees its linear inputs and K/V. Uses only
+    /// the cache's layer `layer` (cleared first). Calibration runs the model this way, one
+    /// block at a time.
+    pub fn block_prefill(
+        &self,
+        layer: usize,
+        (res, xn): (&Tensor, &Activation),
+        cache: &mut Cache,
+        obs: &mut dyn Observer,
+    ) -> Result<(Tensor, Activation)> {
+        let (b, seq, _) = res.dims3()?;
+        let Some(blk) = self.blocks.get(layer) else { candle_core::bail!("layer {layer} out of range") };
+        cache.check(self.blocks.len(), seq)?;
+        cache.generation += 1;
+        let pads = cache.pads_for(b)?;
+        let (cos, sin) = cache.rope_tables(&pads, 0, seq)?;
+        let mask = causal_mask(&pads, 0, seq, res.device())?;
+        let dev = cache.step_positions(&pads, Tensor::new(&[0u32], res.device())?)?;
+        let ctx = StepCtx { pos: 0, dev: &dev, cos: &cos, sin: &sin, mask: Some(&mask) };
+        let kv = &mut cache.kvs[layer];
+        kv.clear();
+        blk.forward((res, xn), self.next_norm(layer), kv, &ctx, (layer, self.eps), obs)
     }
 
     /// One decode step for the graph decoder: ids `[b]` and the position on the device;
@@ -439,9 +700,9 @@ impl Llama {
     /// o, gate/up with SiLU·mul, and down projections, one decode attention that also does
     /// RoPE + KV append; at batch > 1 the projections are cuBLAS's and SiLU·mul its own
     /// launch) and 5 more per token (embedding, first norm, output head, logits copy,
-    /// position advance); GGML formats add candle's activation quantization before each
-    /// projection. Writes f32 logits `[b, vocab]` into `logits` and advances `pos` by one. Every launch
-    /// reads its inputs from device buffers that outlive a captured graph.
+    /// position advance); other formats take the paths their plans say. Writes f32 logits
+    /// `[b, vocab]` into `logits` and advances `pos` by one. Every launch reads its inputs
+    /// from device buffers that outlive a captured graph.
     pub(crate) fn decode_step_into(
         &self,
         ids: &Tensor,
@@ -456,18 +717,24 @@ impl Llama {
         let (cos, sin) = (cache.cos.narrow(0, host_pos, 1)?, cache.sin.narrow(0, host_pos, 1)?);
         let ctx = StepCtx { pos: host_pos, dev: &dev, cos: &cos, sin: &sin, mask: None };
         let xn = self.layers(ids, (b, 1), &ctx, &mut cache.kvs)?;
-        let out = self.lm_head.forward_f32(&xn.reshape((b, self.hidden))?)?;
+        let out = self.lm_head.forward_f32(&xn.dense()?.reshape((b, self.hidden))?)?;
         logits.slice_set(&out, 0, 0)?;
         crate::ops::advance_pos(pos, 1)
     }
 
-    /// Whether every layer can take the fused decode path (needed for graph replay).
-    pub fn fused_decode_ok(&self) -> bool {
-        self.blocks.iter().all(|b| b.attn.heads().fused_ok())
+    /// Whether the decode step can be captured as a CUDA graph, or why not.
+    pub fn graph_ready(&self) -> std::result::Result<(), String> {
+        if !self.blocks.iter().all(|b| b.attn.heads().fused_ok()) {
+            return Err("an attention layer's geometry has no fused decode kernel".into());
+        }
+        match self.linears().iter().find(|l| !l.format().spec().graph_safe) {
+            Some(l) => Err(format!("{} layers upload host data per call", l.format())),
+            None => Ok(()),
+        }
     }
 
-    pub fn vocab_size(&self) -> Result<usize> {
-        Ok(self.lm_head.shape()?.0)
+    pub fn vocab_size(&self) -> usize {
+        self.lm_head.shape().0
     }
 
     /// Logits `[b, vocab]` (f32) of the last position of `input_ids` `[b, seq]` (u32), whose

@@ -48,7 +48,8 @@ impl GraphDecoder {
         if batch == 0 {
             candle_core::bail!("graph decoder: batch must be at least 1")
         }
-        let vocab = model.vocab_size()?;
+        let vocab = model.vocab_size();
+        print_path_notes(model, device);
         Ok(Self {
             batch,
             ids: Tensor::zeros(batch, DType::U32, device)?,
@@ -86,7 +87,7 @@ impl GraphDecoder {
         if pos + 1 > cache.max_len() {
             candle_core::bail!("decode: position {pos} is past the context of {} tokens", cache.max_len())
         }
-        let vocab = model.vocab_size()?;
+        let vocab = model.vocab_size();
         for &t in tokens {
             if t as usize >= vocab {
                 candle_core::bail!("decode: token id {t} out of range (vocab {vocab})")
@@ -150,9 +151,7 @@ impl GraphDecoder {
         if cuda.is_event_tracking() {
             return Err("event tracking is on: create the device with candle_lowbit::graph::cuda_device".into());
         }
-        if !model.fused_decode_ok() {
-            return Err("an attention layer's geometry has no fused decode kernel".into());
-        }
+        model.graph_ready()?;
         let stream = cuda.cuda_stream();
         let _htod = cuda.enable_cuda_graph_htod_cache();
         stream.synchronize().map_err(|e| e.to_string())?;
@@ -170,6 +169,22 @@ impl GraphDecoder {
             }
             Ok(None) => Err("stream capture produced no graph".into()),
             Err(e) => Err(format!("stream capture failed: {e}")),
+        }
+    }
+}
+
+/// The fused paths the model's layers do not take on the GPU, and why: each distinct
+/// note once per process.
+fn print_path_notes(model: &Llama, device: &Device) {
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    if !device.is_cuda() {
+        return;
+    }
+    let Ok(mut seen) = SEEN.lock() else { return };
+    for note in model.path_notes() {
+        if !seen.contains(&note) {
+            eprintln!("note: decode path: {note}");
+            seen.push(note);
         }
     }
 }

@@ -1,14 +1,21 @@
 //! candle-lowbit: low-bit LLM inference for candle on NVIDIA GPUs.
 //!
-//! - [`QLinear`]: one linear-layer type over every weight format (dense, candle's GGML
-//!   formats; the crate's own formats plug in here).
+//! - [`formats`]: every weight format (dense, candle's GGML formats, uniform int2/int3/int4
+//!   with round to nearest or GPTQ), each one module plus one registry line.
+//! - [`QLinear`]: one linear-layer type over every weight format.
 //! - [`KvCache`]: one KV-cache type over every KV format, preallocated and written in place.
 //! - [`llama`]: a drop-in Llama whose linear layers and caches are those two types.
 //! - [`graph::GraphDecoder`]: the decode step captured once and replayed as a CUDA graph.
 //! - [`ops`]: candle `CustomOp`s, each with a CPU reference and a CUDA kernel from `cuda/`.
+//! - [`calib`], [`gptq`], [`checkpoint`]: calibration statistics, GPTQ over any format's
+//!   group rule, and quantized checkpoints that load in seconds.
 
+pub mod calib;
 pub mod chat;
+pub mod checkpoint;
+pub mod formats;
 pub mod gguf;
+pub mod gptq;
 pub mod graph;
 pub mod kernels;
 pub mod kv_cache;
@@ -22,5 +29,6 @@ pub mod tokenizer;
 pub mod llama;
 
 pub use kv_cache::{KvCache, KvFormat};
-pub use linear::{QLinear, WeightFormat};
+pub use formats::WeightFormat;
+pub use linear::QLinear;
 pub use llama::{Cache, Config, Llama};

@@ -1,7 +1,10 @@
-//! Load a model from a [`ModelSource`] into our Llama, or into stock candle's models
-//! (the peers `--compare` runs).
+//! Load a model from a [`ModelSource`] into our Llama (quantizing it at load where asked,
+//! with calibration where the format needs it), or into stock candle's models (the peers
+//! `--compare` runs).
 
-use crate::linear::WeightFormat;
+use crate::calib::{CalibConfig, Progress, QuantReport};
+use crate::checkpoint::{CalibInfo, Manifest};
+use crate::formats::{QuantOptions, WeightFormat};
 use crate::llama::{Config, Llama, LlamaEosToks};
 use crate::model_files::ModelSource;
 use candle_core::{DType, Device, Result, Tensor};
@@ -19,8 +22,78 @@ pub struct Loaded {
     pub name: String,
     /// Token ids that end generation.
     pub eos: Vec<u32>,
-    /// Linear layers that took a block-32 fallback in `--quant` (0 if none).
-    pub fallbacks: usize,
+    /// The blocks' weight format.
+    pub format: WeightFormat,
+    /// The checkpoint's manifest, where the model came from one.
+    pub manifest: Option<Manifest>,
+    /// What quantizing at load did (none for a checkpoint or a dense run).
+    pub quantized: Option<QuantReport>,
+    /// The calibration text, where one was used (here, or when the checkpoint was written).
+    pub calibration: Option<CalibInfo>,
+}
+
+impl Loaded {
+    /// The linear layers of the blocks whose encoding is not the format's own (candle's
+    /// k-quants fall back to a block-32 format for rows not a multiple of 256), by encoding.
+    pub fn fallbacks(&self) -> Vec<(String, usize)> {
+        let mut out: Vec<(String, usize)> = vec![];
+        let layers = self.model.linears();
+        for l in &layers[..layers.len().saturating_sub(1)] {
+            let enc = l.format_name();
+            if l.format() != WeightFormat::Dense && enc != l.format().name() {
+                match out.iter_mut().find(|(e, _)| *e == enc) {
+                    Some((_, c)) => *c += 1,
+                    None => out.push((enc, 1)),
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Calibration text for formats that need it.
+#[derive(Debug, Clone)]
+pub struct CalibSource {
+    pub path: std::path::PathBuf,
+    pub config: CalibConfig,
+}
+
+/// How [`load`] builds the model.
+pub struct LoadOptions<'a> {
+    pub dtype: DType,
+    pub device: Device,
+    /// The blocks' format; `None` keeps what the source holds (dense weights, or a
+    /// checkpoint's format). A checkpoint rejects a format other than its own.
+    pub quant: Option<WeightFormat>,
+    pub quant_options: QuantOptions,
+    /// Read only when `quant` needs calibration.
+    pub calib: Option<CalibSource>,
+    pub progress: &'a mut dyn Progress,
+}
+
+impl<'a> LoadOptions<'a> {
+    /// Dense in `dtype` on `device`, no progress shown.
+    pub fn new(dtype: DType, device: &Device, quant: Option<WeightFormat>, progress: &'a mut dyn Progress) -> Self {
+        Self { dtype, device: device.clone(), quant, quant_options: QuantOptions::default(), calib: None, progress }
+    }
+}
+
+/// The calibration windows of `src` for `tok`, and what identifies them.
+pub fn calibration_windows(src: &CalibSource, tok: &Tokenizer) -> Result<(Vec<Vec<u32>>, CalibInfo)> {
+    let p = &src.path;
+    let bytes = std::fs::read(p).map_err(|e| msg(format!("cannot read calibration text {}: {e}", p.display())))?;
+    let text = String::from_utf8_lossy(&bytes);
+    let ids = tok.encode(text.as_ref(), false).map_err(|e| msg(format!("tokenizing {}: {e}", p.display())))?;
+    let windows = crate::calib::windows(ids.get_ids(), &src.config)
+        .map_err(|e| msg(format!("calibration text {}: {e}", p.display())))?;
+    let info = CalibInfo {
+        file: p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+        sha256: crate::checkpoint::sha256_hex(&bytes),
+        samples: src.config.samples,
+        len: src.config.len,
+        seed: src.config.seed,
+    };
+    Ok((windows, info))
 }
 
 fn msg(s: String) -> candle_core::Error {
@@ -75,28 +148,70 @@ fn chat_template_of(dir: &Path) -> Option<String> {
     json.get("chat_template")?.as_str().map(str::to_string)
 }
 
-/// Load our Llama from `source`, weights in `dtype` on `device`, linear layers in `quant`.
-pub fn load(source: &ModelSource, dtype: DType, device: &Device, quant: WeightFormat) -> Result<Loaded> {
-    let (mut model, config, tokenizer, chat_template, name) = match source {
+/// Load our Llama from `source` as `opts` says: a checkpoint as stored, a dense source
+/// quantized at load into `opts.quant` (through calibration and GPTQ where the format
+/// needs it).
+pub fn load(source: &ModelSource, opts: LoadOptions) -> Result<Loaded> {
+    let (dtype, device) = (opts.dtype, &opts.device);
+    let (mut model, config, tokenizer, chat_template, name, manifest) = match source {
         ModelSource::Gguf(path) => {
             let g = crate::gguf::load_gguf(path, dtype, device)?;
             let vb = VarBuilder::from_tensors(g.tensors, dtype, device);
             let model = Llama::load(vb, &g.config)?;
-            (model, g.config, g.tokenizer, g.chat_template, g.name)
+            (model, g.config, g.tokenizer, g.chat_template, g.name, None)
         }
-        ModelSource::HfDir(dir) => {
+        ModelSource::HfDir(dir) | ModelSource::Checkpoint(dir) => {
             let config = hf_config(dir)?;
             let tok_path = dir.join("tokenizer.json");
             let tokenizer =
                 Tokenizer::from_file(&tok_path).map_err(|e| msg(format!("{}: {e}", tok_path.display())))?;
-            let model = Llama::load(hf_vb(dir, dtype, device)?, &config)?;
+            let (model, manifest) = match source {
+                ModelSource::Checkpoint(_) => {
+                    let (m, man) = crate::checkpoint::load(dir, &config, dtype, device)?;
+                    (m, Some(man))
+                }
+                _ => (Llama::load(hf_vb(dir, dtype, device)?, &config)?, None),
+            };
             let name = dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-            (model, config, tokenizer, chat_template_of(dir), name)
+            (model, config, tokenizer, chat_template_of(dir), name, manifest)
         }
     };
-    let fallbacks = model.quantize(quant)?;
+    let stored = match &manifest {
+        Some(m) => m.weight_format()?,
+        None => WeightFormat::Dense,
+    };
+    let format = opts.quant.unwrap_or(stored);
+    let (mut quantized, mut calibration) = (None, manifest.as_ref().and_then(|m| m.calibration.clone()));
+    if manifest.is_some() && format != stored {
+        candle_core::bail!(
+            "{} holds a {stored} checkpoint; --quant {format} disagrees (leave --quant out to run it as stored)",
+            source.path().display()
+        )
+    }
+    if format != stored {
+        let windows = match (&opts.calib, format.needs_calibration()) {
+            (_, false) => vec![],
+            (Some(src), true) => {
+                let (w, info) = calibration_windows(src, &tokenizer)?;
+                calibration = Some(info);
+                w
+            }
+            (None, true) => candle_core::bail!("{format} needs calibration text (--calib FILE)"),
+        };
+        let calib_cfg = opts.calib.as_ref().map(|c| c.config.clone()).unwrap_or_default();
+        let report = crate::calib::quantize_model(
+            &mut model,
+            &config,
+            format,
+            &opts.quant_options,
+            (&windows, &calib_cfg),
+            dtype,
+            opts.progress,
+        )?;
+        quantized = Some(report);
+    }
     let eos = eos_ids(&config, &tokenizer);
-    Ok(Loaded { model, config, tokenizer, chat_template, name, eos, fallbacks })
+    Ok(Loaded { model, config, tokenizer, chat_template, name, eos, format, manifest, quantized, calibration })
 }
 
 /// Stock candle on the same files: `quantized_llama` for GGUF, `llama` for a HF directory.
@@ -114,6 +229,10 @@ impl StockModel {
                     .map_err(|e| msg(format!("{}: {e}", path.display())))?;
                 Ok(Self::Quantized(Box::new(quantized_llama::ModelWeights::from_gguf(ct, &mut f, device)?)))
             }
+            ModelSource::Checkpoint(dir) => candle_core::bail!(
+                "{} is a candle-lowbit checkpoint: stock candle cannot read it (compare on the model it was made from)",
+                dir.display()
+            ),
             ModelSource::HfDir(dir) => {
                 let config = hf_config(dir)?;
                 let model = stock_llama::Llama::load(hf_vb(dir, dtype, device)?, &config)?;

@@ -17,16 +17,22 @@ pub enum ModelSource {
     Gguf(PathBuf),
     /// A directory with `config.json`, `tokenizer.json` and `*.safetensors`.
     HfDir(PathBuf),
+    /// A candle-lowbit quantized checkpoint (`crate::checkpoint`): a HF-style directory
+    /// whose `model.safetensors` carries our manifest.
+    Checkpoint(PathBuf),
 }
 
 impl ModelSource {
-    /// `--model PATH`: a `.gguf` file or a HF-style directory.
+    /// `--model PATH`: a `.gguf` file, a HF-style directory, or a checkpoint directory.
     pub fn from_path(path: &Path) -> Result<Self> {
         if path.is_dir() {
             for f in ["config.json", "tokenizer.json"] {
                 if !path.join(f).is_file() {
                     candle_core::bail!("model directory {} has no {f}", path.display())
                 }
+            }
+            if crate::checkpoint::is_checkpoint(path) {
+                return Ok(Self::Checkpoint(path.to_path_buf()));
             }
             return Ok(Self::HfDir(path.to_path_buf()));
         }
@@ -78,7 +84,7 @@ impl ModelSource {
 
     pub fn path(&self) -> &Path {
         match self {
-            Self::Gguf(p) | Self::HfDir(p) => p,
+            Self::Gguf(p) | Self::HfDir(p) | Self::Checkpoint(p) => p,
         }
     }
 }

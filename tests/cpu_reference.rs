@@ -1,4 +1,5 @@
-//! CPU tests of the ops, `QLinear` and `KvCache` against plain references.
+//! CPU tests of the ops, dense `QLinear` and `KvCache` against plain references (the
+//! weight formats: `tests/formats.rs`).
 
 mod common;
 
@@ -6,7 +7,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_lowbit::kv_cache::causal_mask;
 use candle_lowbit::ops::{add_rms_norm, advance_pos, embed_gather, gemv, gemv_silu_mul, silu_mul, Heads, StepPositions};
-use candle_lowbit::{KvCache, KvFormat, QLinear, WeightFormat};
+use candle_lowbit::{KvCache, KvFormat, QLinear};
 use common::{assert_close, randn};
 
 const SHAPES: &[(usize, usize)] = &[(1, 1), (1, 576), (2, 33), (3, 64), (7, 1000), (17, 576), (300, 129)];
@@ -50,61 +51,13 @@ fn qlinear_dense_matches_candle_linear() -> Result<()> {
     let w = randn(1, &[37, 65], 0.3, DType::F32, &dev)?;
     let b = randn(2, &[37], 0.3, DType::F32, &dev)?;
     let lin = candle_nn::Linear::new(w.clone(), Some(b));
-    let q = QLinear::from_linear(&lin);
+    let q = QLinear::from_linear(&lin)?;
     for shape in [vec![3, 65], vec![2, 5, 65], vec![1, 2, 3, 65]] {
         let x = randn(3, &shape, 1.0, DType::F32, &dev)?;
         assert_close(&q.forward(&x)?, &lin.forward(&x)?, 1e-5, 1e-5, "dense forward")?;
     }
     let err = q.forward(&randn(4, &[3, 64], 1.0, DType::F32, &dev)?).unwrap_err();
     assert!(err.to_string().contains("in_dim 65"), "{err}");
-    Ok(())
-}
-
-/// Every GGML format against candle's own QMatMul on the same quantized weight, and
-/// within a per-format error bound of the f32 product.
-#[test]
-fn qlinear_ggml_formats() -> Result<()> {
-    let dev = Device::Cpu;
-    let (n, k) = (48, 512);
-    let w = randn(5, &[n, k], 0.05, DType::F32, &dev)?;
-    let x = randn(6, &[7, k], 1.0, DType::F32, &dev)?;
-    let exact = x.matmul(&w.t()?)?;
-    let dense = QLinear::from_weight(w.clone(), None);
-    for (fmt, rel_bound, bits) in [
-        (WeightFormat::Q8_0, 0.01, 8.5),
-        (WeightFormat::Q4_1, 0.1, 5.0),
-        (WeightFormat::Q4_0, 0.1, 4.5),
-        (WeightFormat::Q4K, 0.1, 4.5),
-        (WeightFormat::Q3K, 0.2, 3.4375),
-        (WeightFormat::Q2K, 0.4, 2.625),
-    ] {
-        let q = dense.quantize(fmt)?;
-        assert_eq!(q.bits_per_weight()?, bits, "{fmt} bits per weight");
-        let y = q.forward(&x)?;
-        let (dt, _) = fmt.ggml_dtype(k).unwrap();
-        let qt = candle_core::quantized::QTensor::quantize(&w, dt)?;
-        let want = candle_core::quantized::QMatMul::from_qtensor(qt)?.forward(&x)?;
-        assert_close(&y, &want, 1e-6, 1e-6, &format!("{fmt} vs QMatMul"))?;
-        let rel = ((&y - &exact)?.sqr()?.sum_all()?.to_scalar::<f32>()?
-            / exact.sqr()?.sum_all()?.to_scalar::<f32>()?)
-        .sqrt();
-        assert!(rel < rel_bound, "{fmt}: relative error {rel} over bound {rel_bound}");
-    }
-    Ok(())
-}
-
-#[test]
-fn weight_format_parsing_and_fallback() -> Result<()> {
-    assert_eq!("Q4K".parse::<WeightFormat>()?, WeightFormat::Q4K);
-    assert_eq!("f16".parse::<WeightFormat>()?, WeightFormat::Dense);
-    let err = "q5z".parse::<WeightFormat>().unwrap_err().to_string();
-    assert!(err.contains("q5z") && err.contains("q4_0") && err.contains("q2k"), "{err}");
-    use candle_core::quantized::GgmlDType as G;
-    assert_eq!(WeightFormat::Q4K.ggml_dtype(512), Some((G::Q4K, false)));
-    assert_eq!(WeightFormat::Q4K.ggml_dtype(576), Some((G::Q5_0, true)));
-    assert_eq!(WeightFormat::Q2K.ggml_dtype(576), Some((G::Q4_0, true)));
-    assert_eq!(WeightFormat::Q4_0.ggml_dtype(576), Some((G::Q4_0, false)));
-    assert!("int3".parse::<KvFormat>().unwrap_err().to_string().contains("f16"));
     Ok(())
 }
 

@@ -73,7 +73,7 @@ fn real_model_top1_matches_quantized_llama_gpu() -> Result<()> {
     let Some(path) = common::default_model() else { return Ok(()) };
     let dev = candle_lowbit::graph::cuda_device(0)?;
     let src = candle_lowbit::model_files::ModelSource::Gguf(path);
-    let loaded = candle_lowbit::loader::load(&src, DType::F16, &dev, candle_lowbit::WeightFormat::Dense)?;
+    let loaded = common::load_dense(&src, DType::F16, &dev)?;
     let tokens = loaded.tokenizer.encode(common::LONG_PROMPT, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
     let mut cache = Cache::with_capacity(256, KvFormat::Dense, DType::F16, &loaded.config, &dev)?;
     let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };

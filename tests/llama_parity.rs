@@ -113,7 +113,7 @@ fn real_model_top1_matches_quantized_llama() -> Result<()> {
     let Some(path) = common::default_model() else { return Ok(()) };
     let dev = Device::Cpu;
     let src = candle_lowbit::model_files::ModelSource::Gguf(path);
-    let loaded = candle_lowbit::loader::load(&src, DType::F32, &dev, candle_lowbit::WeightFormat::Dense)?;
+    let loaded = common::load_dense(&src, DType::F32, &dev)?;
     let tokens = loaded.tokenizer.encode(common::LONG_PROMPT, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
     assert!(tokens.len() >= 64, "prompt has only {} tokens", tokens.len());
     let mut cache = Cache::with_capacity(256, KvFormat::Dense, DType::F32, &loaded.config, &dev)?;

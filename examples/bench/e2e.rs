@@ -94,7 +94,7 @@ struct Baseline {
 
 pub fn run(ctx: &mut Ctx, section: Section) -> Result<()> {
     let p = plan(section, ctx.quick);
-    let mut protos = Prototypes::default();
+    let mut protos = Prototypes::new(&ctx.dev);
     let mut base = Baseline::default();
     for spec in Spec::all() {
         let names: Vec<(Metric, String)> =

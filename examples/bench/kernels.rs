@@ -3,15 +3,16 @@
 //! `y[m, n] = x[m, k] · W[n, k]ᵀ` for every implementation:
 //! - `candle-f16`: stock candle, `x.matmul(&w.t())` in f16 (cuBLAS), the baseline;
 //! - `candle-<q>`: stock `QMatMul` in Q4_0, Q4K, Q3K, Q2K, fed f32 as candle's own models do;
-//! - `ours-<format>`: our `QLinear` in every `WeightFormat::ALL`, fed the run dtype (f16),
-//!   exactly as our Llama calls it.
+//! - `ours-<format>`: our `QLinear` in every format the registry times
+//!   (`WeightFormat::timed()`: a GPTQ variant stores exactly as its round-to-nearest twin),
+//!   fed the run dtype (f16), exactly as our Llama calls it.
 //!
 //! Each (shape, implementation) holds enough distinct copies of its weight that together
 //! they exceed 256 MiB (L2 is 60 MB) and cycles through them. Each row is checked against
 //! `x_f32 · deq(W)ᵀ` in f32 over the same quantized weight before it is timed.
 //! Bytes counted: the weight in its format (codes, scales, everything), x as passed, y.
 
-use crate::quant::{ggml_linear, upload, Prototypes};
+use crate::quant::Prototypes;
 use crate::report::{Row, Status};
 use crate::util::{classify, randn, rel_err, rotation, time_batched, Ctx, Timing};
 use anyhow::Result;
@@ -41,20 +42,18 @@ impl Impl {
     fn all() -> Vec<Self> {
         let mut v = vec![Self::CandleF16];
         v.extend([GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q3K, GgmlDType::Q2K].map(Self::CandleGgml));
-        v.extend(WeightFormat::ALL.iter().map(|f| Self::Ours(*f)));
+        v.extend(WeightFormat::timed().map(Self::Ours));
         v
     }
 
-    /// Relative-error bound against the f32 reference over the same quantized weight.
-    /// f16: output rounding. GGML: candle quantizes x to 8 bits (q8_1) in its kernels.
-    /// Formats of ours that quantize activations need a looser bound; until a format
-    /// declares its own, unknown formats get a sanity bound that catches garbage only.
+    /// Relative-error bound against the f32 reference over the same quantized weight:
+    /// f16 output rounding; candle quantizes x to 8 bits (q8_1) in its GGML kernels; each
+    /// format of ours states its own (`FormatSpec::tolerance`).
     fn tolerance(&self) -> f64 {
         match self {
-            Self::CandleF16 | Self::Ours(WeightFormat::Dense) => 5e-3,
+            Self::CandleF16 => 5e-3,
             Self::CandleGgml(_) => 3e-2,
-            Self::Ours(f) if f.ggml_dtype(4096).is_some() => 3e-2,
-            Self::Ours(_) => 0.25,
+            Self::Ours(f) => f.spec().tolerance,
         }
     }
 }
@@ -151,8 +150,8 @@ fn row_name(n: usize, k: usize, i: &Impl, m: usize) -> String {
 fn run_shape(ctx: &mut Ctx, n: usize, k: usize, ms: &[usize], wanted: &[Impl]) -> Result<()> {
     let dev = ctx.dev.clone();
     let w = randn(&[n, k], 1.0 / (k as f64).sqrt(), ctx.dtype, &dev)?;
-    let mut protos = Prototypes::default();
-    protos.set_dense(n, k, w.to_dtype(DType::F32)?.to_device(&candle_core::Device::Cpu)?.flatten_all()?.to_vec1()?);
+    let mut protos = Prototypes::new(&dev);
+    protos.set_dense(w.to_dtype(DType::F32)?)?;
     let xs = ms
         .iter()
         .map(|&m| {
@@ -250,45 +249,25 @@ fn run_impl(
 fn build(ctx: &Ctx, s: &Shape, i: Impl, protos: &mut Prototypes) -> Result<(Weights, Tensor, usize)> {
     let dev = &ctx.dev;
     let (n, k) = (s.n, s.k);
-    let dense_bytes = crate::util::nbytes(&s.w);
     Ok(match i {
-        Impl::CandleF16 | Impl::Ours(WeightFormat::Dense) => {
-            let copies = (0..rotation(dense_bytes, 64)).map(|_| s.w.copy()).collect::<candle_core::Result<Vec<_>>>()?;
-            let reference = s.w.to_dtype(DType::F32)?;
-            let w = match i {
-                Impl::CandleF16 => Weights::Dense(copies),
-                _ => Weights::Ours(copies.into_iter().map(|w| QLinear::from_weight(w, None)).collect()),
-            };
-            (w, reference, dense_bytes)
+        Impl::CandleF16 => {
+            let bytes = crate::util::nbytes(&s.w);
+            let copies = (0..rotation(bytes, 64)).map(|_| s.w.copy()).collect::<candle_core::Result<Vec<_>>>()?;
+            (Weights::Dense(copies), s.w.to_dtype(DType::F32)?, bytes)
         }
         Impl::CandleGgml(dt) => {
-            let b = protos.bytes(n, k, dt, dev)?;
-            let copies = (0..rotation(b.len(), 64))
-                .map(|_| Ok(QMatMul::from_qtensor(upload(&b, n, k, dt, dev)?)?))
+            let q = protos.qtensor(n, k, dt, dev)?;
+            let bytes = q.storage_size_in_bytes();
+            let copies = (0..rotation(bytes, 64))
+                .map(|_| Ok(QMatMul::from_qtensor(protos.qtensor(n, k, dt, dev)?)?))
                 .collect::<Result<Vec<_>>>()?;
-            let reference = upload(&b, n, k, dt, dev)?.dequantize(dev)?;
-            (Weights::Ggml(copies), reference, b.len())
+            (Weights::Ggml(copies), q.dequantize(dev)?, bytes)
         }
         Impl::Ours(f) => {
-            let copies: Vec<QLinear> = match f.ggml_dtype(k) {
-                Some((dt, _)) => {
-                    let b = protos.bytes(n, k, dt, dev)?;
-                    (0..rotation(b.len(), 64)).map(|_| ggml_linear(&b, n, k, dt, dev)).collect::<Result<_>>()?
-                }
-                None => {
-                    // A format of ours: quantize with its own quantizer, once per copy.
-                    let first = QLinear::from_weight(s.w.clone(), None).quantize(f)?;
-                    let r = rotation(first.weight_bytes()?, 64);
-                    let mut v = vec![first];
-                    for _ in 1..r {
-                        v.push(QLinear::from_weight(s.w.copy()?, None).quantize(f)?);
-                    }
-                    v
-                }
-            };
-            let reference = copies[0].dequantize()?.to_dtype(DType::F32)?;
-            let bytes = copies[0].weight_bytes()?;
-            (Weights::Ours(copies), reference, bytes)
+            let first = protos.layer(n, k, f, ctx.dtype)?;
+            let bytes = first.weight_bytes();
+            let copies = (0..rotation(bytes, 64)).map(|_| protos.copy(n, k, f, ctx.dtype)).collect::<Result<Vec<_>>>()?;
+            (Weights::Ours(copies), first.dequantize()?.to_dtype(DType::F32)?, bytes)
         }
     })
 }

@@ -1,7 +1,7 @@
 //! The models of the end-to-end sections: shapes, random weights (no download), and one
 //! interface over stock candle llama, our Llama, and stock candle quantized_llama.
 
-use crate::quant::{ggml_linear, Prototypes};
+use crate::quant::Prototypes;
 use anyhow::{Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
@@ -61,8 +61,8 @@ impl Spec {
     /// Stock first (every ratio needs it), then ours (the registries), then the peer.
     pub fn all() -> Vec<Self> {
         let mut v = vec![Self::Stock];
-        for w in WeightFormat::ALL {
-            v.extend(KvFormat::ALL.iter().map(|k| Self::Ours(*w, *k)));
+        for w in WeightFormat::timed() {
+            v.extend(KvFormat::ALL.iter().map(|k| Self::Ours(w, *k)));
         }
         v.extend([Self::QLlama(GgmlDType::Q4K), Self::QLlama(GgmlDType::Q4_0)]);
         v
@@ -174,7 +174,7 @@ impl Engine {
             Spec::Ours(w, kv) => {
                 let vb = VarBuilder::from_tensors(random_weights(cfg, dtype, dev, seed)?, dtype, dev);
                 let mut model = Box::new(Llama::load(vb, cfg)?);
-                quantize_ours(&mut model, w, dev, protos)?;
+                quantize_ours(&mut model, w, dtype, protos)?;
                 Self::Ours { model, cache: None, decoder: None, kv, cfg: cfg.clone(), dtype, dev: dev.clone() }
             }
             Spec::QLlama(dt) => Self::QLlama { model: Box::new(qllama(cfg, dt, dev, protos)?), dtype: dt, dev: dev.clone() },
@@ -193,7 +193,7 @@ impl Engine {
     /// Bytes of weights, where the model says (ours only).
     pub fn weight_bytes(&self) -> Option<usize> {
         match self {
-            Self::Ours { model, .. } => model.weight_bytes().ok(),
+            Self::Ours { model, .. } => Some(model.weight_bytes()),
             _ => None,
         }
     }
@@ -206,7 +206,7 @@ impl Engine {
         let per_layer = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + h * h + 3 * h * i;
         let params = cfg.num_hidden_layers * per_layer + v * h;
         Ok(match self {
-            Self::Ours { model, .. } => model.linears().iter().map(|l| l.weight_bytes()).sum::<candle_core::Result<usize>>()?,
+            Self::Ours { model, .. } => model.linears().iter().map(|l| l.weight_bytes()).sum(),
             Self::Stock { dtype, .. } => params * dtype.size_in_bytes(),
             Self::QLlama { dtype, .. } => params / dtype.block_size() * dtype.type_size(),
         })
@@ -294,24 +294,23 @@ impl Engine {
     }
 }
 
-/// Re-encode our model's linear layers in `w`. candle's GGML formats come from per-shape
-/// prototypes (see `quant`): every layer holds its own device copy of the same values,
-/// so bytes, memory and bandwidth are a real model's; the values are not (fine for
-/// speed). Formats of ours use the model's own quantizer.
-fn quantize_ours(model: &mut Llama, w: WeightFormat, dev: &Device, protos: &mut Prototypes) -> Result<()> {
+/// Re-encode our model's linear layers in `w` (the head in `Llama::head_format(w)`) from
+/// per-shape prototypes (see `quant`): every layer holds its own device copy of the same
+/// values, so bytes, memory and bandwidth are a real model's; the values are not (fine for
+/// speed).
+fn quantize_ours(model: &mut Llama, w: WeightFormat, dtype: DType, protos: &mut Prototypes) -> Result<()> {
     if w == WeightFormat::Dense {
         return Ok(());
     }
-    let (_, k0) = model.linears().first().map(|l| l.shape()).transpose()?.unwrap_or((0, 0));
-    if w.ggml_dtype(k0).is_none() {
-        model.quantize(w)?;
-        return Ok(());
+    let mut layers = model.linears_mut();
+    let head = layers.pop();
+    for l in layers {
+        let (n, k) = l.shape();
+        *l = protos.copy(n, k, w, dtype)?;
     }
-    for l in model.linears_mut() {
-        let (n, k) = l.shape()?;
-        let Some((dt, _)) = w.ggml_dtype(k) else { anyhow::bail!("{w} has no GGML dtype for rows of {k}") };
-        let bytes = protos.bytes(n, k, dt, dev)?;
-        *l = ggml_linear(&bytes, n, k, dt, dev)?;
+    if let Some(h) = head {
+        let (n, k) = h.shape();
+        *h = protos.copy(n, k, Llama::head_format(w), dtype)?;
     }
     Ok(())
 }
@@ -329,11 +328,12 @@ fn qllama(cfg: &Config, dt: GgmlDType, dev: &Device, protos: &mut Prototypes) ->
     let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let hd = h / cfg.num_attention_heads;
     let kv = cfg.num_key_value_heads * hd;
-    let emb = protos.cpu_qtensor(v, h, dt, dev)?;
-    let w_q = protos.cpu_qtensor(h, h, dt, dev)?;
-    let w_kv = protos.cpu_qtensor(kv, h, dt, dev)?;
-    let w_up = protos.cpu_qtensor(i, h, dt, dev)?;
-    let w_down = protos.cpu_qtensor(h, i, dt, dev)?;
+    let cpu = Device::Cpu;
+    let emb = protos.qtensor(v, h, dt, &cpu)?;
+    let w_q = protos.qtensor(h, h, dt, &cpu)?;
+    let w_kv = protos.qtensor(kv, h, dt, &cpu)?;
+    let w_up = protos.qtensor(i, h, dt, &cpu)?;
+    let w_down = protos.qtensor(h, i, dt, &cpu)?;
     let norm = QTensor::quantize(&Tensor::ones(h, DType::F32, &Device::Cpu)?, GgmlDType::F32)?;
     let mut names: Vec<(String, &QTensor)> =
         vec![("token_embd.weight".into(), &emb), ("output_norm.weight".into(), &norm), ("output.weight".into(), &emb)];

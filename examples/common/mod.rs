@@ -1,12 +1,20 @@
-//! What `generate` and `perplexity` share: the model flags, device and dtype selection,
-//! loading, and the one-line description of what was loaded.
+//! What `generate`, `perplexity` and `quantize` share: the model, format and calibration
+//! flags, device and dtype selection, loading (with progress bars where it quantizes), and
+//! the one-line description of what was loaded.
+#![allow(dead_code)]
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
-use candle_lowbit::loader::{self, Loaded};
+use candle_lowbit::calib::{CalibConfig, Progress};
+use candle_lowbit::formats::QuantOptions;
+use candle_lowbit::gptq::GptqConfig;
+use candle_lowbit::loader::{self, CalibSource, LoadOptions, Loaded};
 use candle_lowbit::model_files::ModelSource;
 use candle_lowbit::{KvFormat, WeightFormat};
 use std::path::PathBuf;
+
+/// Where calibration text is looked for when `--calib` is not given.
+pub const DEFAULT_CALIB: &str = "../shared/data/wikitext-2/test.txt";
 
 /// `--dtype` values.
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
@@ -19,8 +27,9 @@ pub enum DtypeArg {
 /// The flags that pick a model, a device and the formats to run it in.
 #[derive(clap::Args, Debug)]
 pub struct ModelArgs {
-    /// A GGUF file, or a directory with config.json, tokenizer.json and *.safetensors
-    /// (default: SmolLM2-135M-Instruct Q4_1, fetched with pip on first use).
+    /// A GGUF file, a directory with config.json, tokenizer.json and *.safetensors, or a
+    /// checkpoint written by `quantize` (default: SmolLM2-135M-Instruct Q4_1, fetched with
+    /// pip on first use).
     #[arg(long)]
     pub model: Option<PathBuf>,
 
@@ -40,13 +49,106 @@ pub struct ModelArgs {
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
 
-    /// Linear-layer weight format: f16 (dense, in --dtype), q8_0, q4_0, q4_1, q4k, q3k, q2k.
-    #[arg(long, default_value = "f16")]
-    pub quant: WeightFormat,
+    /// Linear-layer weight format, quantized at load (GPTQ formats calibrate first); a
+    /// checkpoint runs in its own format [default: f16, or the checkpoint's]. See
+    /// `--list-formats`.
+    #[arg(long)]
+    pub quant: Option<WeightFormat>,
+
+    /// Print every weight format with what it is, and exit.
+    #[arg(long)]
+    pub list_formats: bool,
 
     /// KV-cache format: f16 (dense, in --dtype).
     #[arg(long, default_value = "f16")]
     pub kv_cache: KvFormat,
+
+    #[command(flatten)]
+    pub calib: CalibArgs,
+}
+
+/// Calibration and GPTQ flags (read by formats that need calibration).
+#[derive(clap::Args, Debug, Clone)]
+pub struct CalibArgs {
+    /// Calibration text [default: ../shared/data/wikitext-2/test.txt where it exists].
+    #[arg(long)]
+    pub calib: Option<PathBuf>,
+
+    /// Calibration windows.
+    #[arg(long, default_value_t = 128)]
+    pub calib_samples: usize,
+
+    /// Tokens per calibration window.
+    #[arg(long, default_value_t = 512)]
+    pub calib_len: usize,
+
+    /// Seed of the calibration window offsets.
+    #[arg(long, default_value_t = 0)]
+    pub calib_seed: u64,
+
+    /// Calibration windows per forward pass.
+    #[arg(long, default_value_t = 8)]
+    pub calib_batch: usize,
+
+    /// GPTQ dampening, as a fraction of the mean Hessian diagonal.
+    #[arg(long, default_value_t = 0.01)]
+    pub gptq_damp: f64,
+
+    /// GPTQ lazy-update block (columns).
+    #[arg(long, default_value_t = 128)]
+    pub gptq_block: usize,
+
+    /// GPTQ activation order (columns by decreasing Hessian diagonal, static groups).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub gptq_act_order: bool,
+}
+
+impl CalibArgs {
+    pub fn quant_options(&self) -> QuantOptions {
+        QuantOptions { gptq: GptqConfig { damp: self.gptq_damp, block: self.gptq_block, act_order: self.gptq_act_order } }
+    }
+
+    pub fn config(&self) -> CalibConfig {
+        CalibConfig { samples: self.calib_samples, len: self.calib_len, seed: self.calib_seed, batch: self.calib_batch }
+    }
+
+    /// `--calib`, else the default text where it exists.
+    pub fn source(&self) -> Option<CalibSource> {
+        let path = self.calib.clone().or_else(|| Some(PathBuf::from(DEFAULT_CALIB)).filter(|p| p.is_file()))?;
+        Some(CalibSource { path, config: self.config() })
+    }
+
+    /// Check what a format needs before anything is loaded.
+    pub fn check(&self, format: Option<WeightFormat>) -> Result<()> {
+        let Some(f) = format.filter(|f| f.needs_calibration()) else { return Ok(()) };
+        match (&self.calib, self.source()) {
+            (Some(p), _) if !p.is_file() => anyhow::bail!("--calib {} does not exist", p.display()),
+            (None, None) => anyhow::bail!(
+                "{f} needs calibration text: pass --calib FILE (the default {DEFAULT_CALIB} is not here)"
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// The quantizer settings a checkpoint records.
+    pub fn settings_json(&self, format: WeightFormat) -> serde_json::Value {
+        let mut j = serde_json::json!({ "format": format.name() });
+        if format.needs_calibration() {
+            j["gptq"] = serde_json::json!({
+                "damp": self.gptq_damp,
+                "block": self.gptq_block,
+                "act_order": self.gptq_act_order,
+                "static_groups": self.gptq_act_order,
+            });
+            j["calibration"] = serde_json::json!({
+                "samples": self.calib_samples,
+                "len": self.calib_len,
+                "seed": self.calib_seed,
+                "sequential": true,
+            });
+        }
+        j
+    }
 }
 
 /// A loaded model and where and how it runs.
@@ -55,8 +157,9 @@ pub struct Session {
     pub dtype: DType,
     pub source: ModelSource,
     pub loaded: Loaded,
-    pub quant: WeightFormat,
     pub kv_cache: KvFormat,
+    /// Seconds the load took (quantization included).
+    pub load_secs: f64,
 }
 
 /// CUDA device 0 (set up for graph replay) if built with the `cuda` feature and one is
@@ -86,60 +189,112 @@ pub fn device_name(device: &Device) -> &'static str {
     }
 }
 
-/// Resolve the model source, pick device and dtype, and load our Llama.
+/// `--list-formats`: every format, one line each.
+pub fn print_formats() {
+    println!("{:<10} {:<7} {:<11} what", "format", "bound", "calibration");
+    for f in WeightFormat::ALL {
+        let s = f.spec();
+        let cal = if f.needs_calibration() { "yes" } else { "no" };
+        println!("{:<10} {:<7} {:<11} {}", s.name, s.error_bound, cal, s.about);
+    }
+}
+
+/// Progress bars on stderr (indicatif), one per stage, with the layer in the message.
+pub struct Bars {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Bars {
+    pub fn new() -> Self {
+        Self { bar: None }
+    }
+}
+
+impl Progress for Bars {
+    fn start(&mut self, stage: &str, total: usize) {
+        let pb = indicatif::ProgressBar::new(total as u64);
+        let style = indicatif::ProgressStyle::with_template(
+            "{prefix} [{bar:30}] {pos}/{len} {msg} {elapsed} (eta {eta})",
+        )
+        .map(|s| s.progress_chars("=> "))
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+        pb.set_style(style);
+        pb.set_prefix(stage.to_string());
+        self.bar = Some(pb);
+    }
+
+    fn step(&mut self, what: &str) {
+        if let Some(b) = &self.bar {
+            b.set_message(what.to_string());
+            b.inc(1);
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// Resolve the model source, pick device and dtype, and load our Llama (quantizing it as
+/// `--quant` says, with progress bars).
 pub fn load(args: &ModelArgs) -> Result<Session> {
+    if args.list_formats {
+        print_formats();
+        std::process::exit(0);
+    }
+    args.calib.check(args.quant)?;
     let device = device(args.cpu)?;
     let dtype = dtype(args.dtype, &device);
     let source = ModelSource::resolve(args.model.as_deref(), args.model_id.as_deref(), &args.revision)?;
-    let loaded = loader::load(&source, dtype, &device, args.quant)
-        .with_context(|| format!("loading the model from {}", source.path().display()))?;
-    Ok(Session { device, dtype, source, loaded, quant: args.quant, kv_cache: args.kv_cache })
+    let mut bars = Bars::new();
+    let mut opts = LoadOptions::new(dtype, &device, args.quant, &mut bars);
+    opts.quant_options = args.calib.quant_options();
+    opts.calib = args.calib.source();
+    let t0 = std::time::Instant::now();
+    let loaded = loader::load(&source, opts).with_context(|| format!("loading the model from {}", source.path().display()))?;
+    device.synchronize()?;
+    let load_secs = t0.elapsed().as_secs_f64();
+    Ok(Session { device, dtype, source, loaded, kv_cache: args.kv_cache, load_secs })
 }
 
-/// `"q4k -> q5_0"`: the block-32 formats the layers that fell back took instead.
-fn fallback_formats(s: &Session) -> Result<String> {
-    let want = s.quant.name();
-    let mut took: Vec<String> = vec![];
-    for l in s.loaded.model.linears() {
-        let (_, k) = l.shape()?;
-        if let Some((dt, true)) = s.quant.ggml_dtype(k) {
-            let name = format!("{dt:?}").to_lowercase();
-            if !took.contains(&name) {
-                took.push(name);
-            }
-        }
-    }
-    Ok(format!("{want} -> {}", took.join(", ")))
-}
-
-/// `--quant` as it runs: `dense f32` for `f16` on the CPU, else the format's name.
+/// The weight format as it runs: `dense f32` for `f16` on the CPU, else the format's name.
 pub fn weights_label(s: &Session) -> String {
-    match s.quant {
+    match s.loaded.format {
         WeightFormat::Dense => format!("dense {}", s.dtype.as_str()),
         q => q.name().to_string(),
     }
 }
 
 /// One line: model, device, dtype, weight format with its real bits per weight, fallbacks,
-/// KV-cache format.
+/// KV-cache format, and how it was quantized or loaded.
 pub fn describe(s: &Session) -> Result<String> {
-    let bpw = s.loaded.model.bits_per_weight()?;
+    let bpw = s.loaded.model.bits_per_weight();
     let weights = weights_label(s);
     let mut line = format!(
-        "{} | {} | {} | weights {weights} ({bpw:.2} bits/weight)",
+        "{} | {} | {} | weights {weights} ({bpw:.3} bits/weight over every linear layer, head {})",
         s.loaded.name,
         device_name(&s.device),
-        s.dtype.as_str()
+        s.dtype.as_str(),
+        s.loaded.model.lm_head().format_name()
     );
-    if s.loaded.fallbacks > 0 {
-        let n = s.loaded.model.linears().len();
-        line += &format!(
-            " | {} of {n} linear layers fell back {} (rows not a multiple of 256)",
-            s.loaded.fallbacks,
-            fallback_formats(s)?
-        );
+    let fallbacks = s.loaded.fallbacks();
+    if !fallbacks.is_empty() {
+        let n = s.loaded.model.linears().len() - 1;
+        let took: Vec<String> = fallbacks.iter().map(|(e, c)| format!("{c} -> {e}")).collect();
+        line += &format!(" | of {n} block layers, {} (rows not a multiple of 256)", took.join(", "));
     }
     line += &format!(" | kv cache {}", s.kv_cache);
+    if let Some(q) = &s.loaded.quantized {
+        line += &format!(" | quantized at load in {:.1}s", q.seconds);
+    }
+    if s.loaded.manifest.is_some() {
+        line += &format!(" | checkpoint loaded in {:.2}s", s.load_secs);
+    }
+    if let Some(c) = &s.loaded.calibration {
+        line += &format!(" | calibrated on {} ({} x {} tokens, sha256 {:.12})", c.file, c.samples, c.len, c.sha256);
+    }
     Ok(line)
 }
 
@@ -151,5 +306,6 @@ pub fn stock_name(source: &ModelSource, dtype: DType) -> String {
         }
         ModelSource::Gguf(_) => "stock candle quantized_llama (the GGUF's own weights)".to_string(),
         ModelSource::HfDir(_) => format!("stock candle llama (dense {})", dtype.as_str()),
+        ModelSource::Checkpoint(_) => "stock candle (cannot read a candle-lowbit checkpoint)".to_string(),
     }
 }

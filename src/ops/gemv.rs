@@ -27,18 +27,20 @@ pub struct Gemv {
 /// aligned offset.
 pub fn gemv_ok(x: &Tensor, w: &Tensor) -> bool {
     let (Ok((m, k)), Ok((_, kw))) = (x.dims2(), w.dims2()) else { return false };
-    let dt = x.dtype();
-    let aligned = |t: &Tensor| {
-        let l = t.layout();
-        l.is_contiguous() && (l.start_offset() * dt.size_in_bytes()) % 16 == 0
-    };
-    matches!(dt, DType::F32 | DType::F16 | DType::BF16)
-        && w.dtype() == dt
-        && (1..=GEMV_MAX_M).contains(&m)
-        && k == kw
-        && (k * dt.size_in_bytes()) % 16 == 0
-        && aligned(x)
-        && aligned(w)
+    gemv_weight_ok(w) && x.dtype() == w.dtype() && (1..=GEMV_MAX_M).contains(&m) && k == kw && aligned(x)
+}
+
+/// The weight's half of [`gemv_ok`]: `w [n, k]` in f32, f16 or bf16, rows of a multiple of
+/// 16 bytes, contiguous from a 16-byte aligned offset.
+pub fn gemv_weight_ok(w: &Tensor) -> bool {
+    let Ok((_, k)) = w.dims2() else { return false };
+    let dt = w.dtype();
+    matches!(dt, DType::F32 | DType::F16 | DType::BF16) && (k * dt.size_in_bytes()) % 16 == 0 && aligned(w)
+}
+
+fn aligned(t: &Tensor) -> bool {
+    let l = t.layout();
+    l.is_contiguous() && (l.start_offset() * t.dtype().size_in_bytes()) % 16 == 0
 }
 
 /// `y [m, n] = x [m, k] · w [n, k]ᵀ`, f32 accumulation, rounded once to `out`

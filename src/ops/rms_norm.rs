@@ -3,6 +3,7 @@
 //! One launch replaces an add and a norm in every transformer block. Kernel:
 //! `cuda/rms_norm.cu`.
 
+use crate::formats::{Activation, InputEncoding};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 
@@ -154,5 +155,29 @@ impl CustomOp3 for AddRmsNorm {
             dt => candle_core::bail!("add_rms_norm: unsupported dtype {dt:?} (f32, f16, bf16)"),
         };
         Ok((out, out_shape(l1)))
+    }
+}
+
+/// [`add_rms_norm`] with the norm in `enc`, the encoding the next projection reads (a
+/// format that reads quantized input gets its fused norm-and-quantize here).
+pub fn add_rms_norm_as(
+    x: &Tensor,
+    res: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    enc: InputEncoding,
+) -> Result<(Tensor, Activation)> {
+    match enc {
+        InputEncoding::Dense => {
+            let (sum, norm) = add_rms_norm(x, res, w, eps)?;
+            Ok((sum, Activation::Dense(norm)))
+        }
+    }
+}
+
+/// `rms_norm(x) * w` in `enc` (the first norm of the model, which has no residual to add).
+pub fn rms_norm_as(x: &Tensor, w: &Tensor, eps: f32, enc: InputEncoding) -> Result<Activation> {
+    match enc {
+        InputEncoding::Dense => Ok(Activation::Dense(candle_nn::ops::rms_norm(x, w, eps)?)),
     }
 }

@@ -1,0 +1,315 @@
+//! Calibration: statistics of real activations, gathered by running a loaded [`Llama`] over
+//! calibration text one block at a time ([`Llama::block_prefill`] with an [`Observer`]),
+//! and the sequential quantization that GPTQ formats need.
+//!
+//! - [`windows`]: `samples` windows of `len` tokens from the tokenized text, at seeded
+//!   random offsets (as GPTQ's and Atom's scripts draw them).
+//! - [`collect`]: one pass, every block: for each linear layer's input the per-channel sum
+//!   of squares (`diag(XᵀX)`), absmax and, where asked, the full `XᵀX` (f32, on the model's
+//!   device); for each layer's K (before and after RoPE) and V the value quantiles at the
+//!   given fractions, averaged over passes (batches) as Oaken's code averages them.
+//! - [`quantize_model`]: GPTQ's sequential mode: block `i` is calibrated on inputs that the
+//!   already quantized blocks before it produced, quantized, and then run again (quantized)
+//!   to produce block `i + 1`'s inputs. Memory stays bounded: one block's Hessians at a time,
+//!   plus the residual stream of every window.
+
+use crate::formats::{Activation, QuantOptions, WeightFormat};
+use crate::kv_cache::KvFormat;
+use crate::llama::{Cache, Config, Llama, NoObserver, Observer, Slot};
+use candle_core::{DType, Device, Result, Tensor};
+use std::collections::HashMap;
+
+/// How calibration samples its text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CalibConfig {
+    /// Windows of text.
+    pub samples: usize,
+    /// Tokens per window.
+    pub len: usize,
+    /// Seed of the window offsets.
+    pub seed: u64,
+    /// Windows per forward pass.
+    pub batch: usize,
+}
+
+impl Default for CalibConfig {
+    /// 128 windows of 512 tokens, seed 0, 8 per pass: the defaults for small models.
+    fn default() -> Self {
+        Self { samples: 128, len: 512, seed: 0, batch: 8 }
+    }
+}
+
+/// `cfg.samples` windows of `cfg.len` tokens of `tokens`, starting at seeded uniform offsets.
+pub fn windows(tokens: &[u32], cfg: &CalibConfig) -> Result<Vec<Vec<u32>>> {
+    use rand::{Rng, SeedableRng};
+    if cfg.samples == 0 || cfg.len == 0 {
+        candle_core::bail!("calibration: {} samples of {} tokens (both must be at least 1)", cfg.samples, cfg.len)
+    }
+    if tokens.len() < cfg.len {
+        candle_core::bail!("calibration text has {} tokens, fewer than one window of {}", tokens.len(), cfg.len)
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
+    Ok((0..cfg.samples)
+        .map(|_| {
+            let s = rng.gen_range(0..=tokens.len() - cfg.len);
+            tokens[s..s + cfg.len].to_vec()
+        })
+        .collect())
+}
+
+/// What a long calibration reports as it goes (the tools draw progress bars from it).
+pub trait Progress {
+    /// A stage of `total` steps begins.
+    fn start(&mut self, stage: &str, total: usize);
+    /// One step of the stage is done; `what` names what it worked on (a layer).
+    fn step(&mut self, what: &str);
+    fn finish(&mut self);
+}
+
+/// Progress that shows nothing.
+pub struct Quiet;
+
+impl Progress for Quiet {
+    fn start(&mut self, _: &str, _: usize) {}
+    fn step(&mut self, _: &str) {}
+    fn finish(&mut self) {}
+}
+
+/// Statistics of one linear layer's input over `count` rows (tokens).
+#[derive(Debug, Clone)]
+pub struct InputStats {
+    pub count: usize,
+    /// f32 `[k]`: Σ x² per channel, `diag(XᵀX)`.
+    pub sq: Tensor,
+    /// f32 `[k]`: max |x| per channel.
+    pub absmax: Tensor,
+    /// f32 `[k, k]`: `XᵀX`, where it was asked for.
+    pub xtx: Option<Tensor>,
+}
+
+impl InputStats {
+    /// GPTQ's Hessian `XᵀX / count` `[k, k]`.
+    pub fn hessian(&self) -> Result<Tensor> {
+        match &self.xtx {
+            Some(x) => x / self.count.max(1) as f64,
+            None => candle_core::bail!("calibration gathered no XᵀX for this layer"),
+        }
+    }
+
+    fn add(&mut self, x: &Tensor, full: bool) -> Result<()> {
+        self.count += x.dim(0)?;
+        self.sq = (&self.sq + x.sqr()?.sum(0)?)?;
+        self.absmax = self.absmax.maximum(&x.abs()?.max(0)?)?;
+        if full {
+            let xtx = x.t()?.matmul(x)?;
+            self.xtx = Some(match self.xtx.take() {
+                Some(acc) => (acc + xtx)?,
+                None => xtx,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// K / V value quantiles of one layer at the configured fractions, averaged over passes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KvQuantiles {
+    pub k_pre_rope: Vec<f64>,
+    pub k_post_rope: Vec<f64>,
+    pub v: Vec<f64>,
+    pub passes: usize,
+}
+
+/// The `f` quantile of `v` (sorted ascending) with linear interpolation, as `torch.quantile`.
+pub fn quantile(sorted: &[f32], f: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let pos = f.clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    let t = pos - lo as f64;
+    sorted[lo] as f64 * (1.0 - t) + sorted[hi] as f64 * t
+}
+
+fn quantiles(t: &Tensor, fractions: &[f64]) -> Result<Vec<f64>> {
+    let mut v = t.to_dtype(DType::F32)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+    v.sort_unstable_by(f32::total_cmp);
+    Ok(fractions.iter().map(|&f| quantile(&v, f)).collect())
+}
+
+/// What [`collect`] gathers.
+#[derive(Debug, Clone)]
+pub struct Stats {
+    pub inputs: HashMap<(usize, Slot), InputStats>,
+    /// Per layer (empty where no fractions were asked for).
+    pub kv: Vec<KvQuantiles>,
+    pub kv_fractions: Vec<f64>,
+}
+
+/// The observer behind [`collect`] and [`quantize_model`].
+struct Collector {
+    /// Layers whose inputs get a full `XᵀX`.
+    full: Vec<usize>,
+    kv_fractions: Vec<f64>,
+    stats: Stats,
+}
+
+impl Collector {
+    fn new(full: Vec<usize>, kv_fractions: Vec<f64>) -> Self {
+        let stats = Stats { inputs: HashMap::new(), kv: vec![], kv_fractions: kv_fractions.clone() };
+        Self { full, kv_fractions, stats }
+    }
+}
+
+impl Observer for Collector {
+    fn linear_input(&mut self, layer: usize, slot: Slot, x: &Tensor) -> Result<()> {
+        let k = x.dim(candle_core::D::Minus1)?;
+        let x = x.reshape((x.elem_count() / k.max(1), k))?.to_dtype(DType::F32)?;
+        let full = self.full.contains(&layer);
+        let e = match self.stats.inputs.entry((layer, slot)) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(InputStats {
+                count: 0,
+                sq: Tensor::zeros(k, DType::F32, x.device())?,
+                absmax: Tensor::zeros(k, DType::F32, x.device())?,
+                xtx: None,
+            }),
+        };
+        e.add(&x, full)
+    }
+
+    fn wants_kv(&self) -> bool {
+        !self.kv_fractions.is_empty()
+    }
+
+    fn kv(&mut self, layer: usize, k_pre: &Tensor, k_post: &Tensor, v: &Tensor) -> Result<()> {
+        if self.stats.kv.len() <= layer {
+            self.stats.kv.resize(layer + 1, KvQuantiles::default());
+        }
+        let f = &self.kv_fractions;
+        let (a, b, c) = (quantiles(k_pre, f)?, quantiles(k_post, f)?, quantiles(v, f)?);
+        let q = &mut self.stats.kv[layer];
+        let n = q.passes as f64;
+        let mean = |acc: &mut Vec<f64>, new: Vec<f64>| {
+            if acc.is_empty() {
+                *acc = new;
+            } else {
+                acc.iter_mut().zip(new).for_each(|(m, x)| *m = (*m * n + x) / (n + 1.0));
+            }
+        };
+        mean(&mut q.k_pre_rope, a);
+        mean(&mut q.k_post_rope, b);
+        mean(&mut q.v, c);
+        q.passes += 1;
+        Ok(())
+    }
+}
+
+/// The windows as batches of token ids `[b, len]` on `dev`.
+fn batches(windows: &[Vec<u32>], batch: usize, dev: &Device) -> Result<Vec<Tensor>> {
+    let Some(len) = windows.first().map(Vec::len) else { candle_core::bail!("calibration: no windows") };
+    if windows.iter().any(|w| w.len() != len) {
+        candle_core::bail!("calibration: windows of different lengths")
+    }
+    windows
+        .chunks(batch.max(1))
+        .map(|c| Tensor::from_vec(c.concat(), (c.len(), len), dev))
+        .collect()
+}
+
+fn cache_for(model: &Llama, cfg: &Config, len: usize, dtype: DType, dev: &Device) -> Result<Cache> {
+    if cfg.num_hidden_layers != model.num_layers() {
+        candle_core::bail!("config has {} layers, the model {}", cfg.num_hidden_layers, model.num_layers())
+    }
+    Cache::with_capacity(len, KvFormat::Dense, dtype, cfg, dev)
+}
+
+/// One pass of `model` over `windows` (equal lengths), block by block: every linear
+/// input's statistics (a full `XᵀX` for the layers in `full`) and, if `kv_fractions` is not
+/// empty, the K/V quantiles of every layer. `dtype` is the model's run dtype.
+pub fn collect(
+    model: &Llama,
+    cfg: &Config,
+    windows: &[Vec<u32>],
+    (batch, dtype): (usize, DType),
+    (full, kv_fractions): (Vec<usize>, Vec<f64>),
+    progress: &mut dyn Progress,
+) -> Result<Stats> {
+    let dev = model.lm_head().weights().device();
+    let ids = batches(windows, batch, &dev)?;
+    let mut cache = cache_for(model, cfg, windows[0].len(), dtype, &dev)?;
+    let mut obs = Collector::new(full, kv_fractions);
+    progress.start("calibration", ids.len() * model.num_layers());
+    for b in &ids {
+        let (mut res, mut xn) = model.embed(b)?;
+        for layer in 0..model.num_layers() {
+            (res, xn) = model.block_prefill(layer, (&res, &xn), &mut cache, &mut obs)?;
+            progress.step(&format!("model.layers.{layer}"));
+        }
+    }
+    progress.finish();
+    Ok(obs.stats)
+}
+
+/// What [`quantize_model`] did.
+#[derive(Debug, Clone)]
+pub struct QuantReport {
+    pub format: WeightFormat,
+    pub seconds: f64,
+    /// Calibration tokens each layer saw.
+    pub tokens: usize,
+}
+
+/// Quantize every linear layer of `model` in `format`, the head in
+/// [`Llama::head_format`]. Formats that need calibration go through GPTQ's sequential mode
+/// over `windows` (see the module docs); others are rounded directly and `windows` is not
+/// read. `dtype` is the model's run dtype.
+pub fn quantize_model(
+    model: &mut Llama,
+    cfg: &Config,
+    format: WeightFormat,
+    opts: &QuantOptions,
+    (windows, calib): (&[Vec<u32>], &CalibConfig),
+    dtype: DType,
+    progress: &mut dyn Progress,
+) -> Result<QuantReport> {
+    let t0 = std::time::Instant::now();
+    if !format.needs_calibration() {
+        progress.start("quantize", 1);
+        model.quantize(format)?;
+        progress.step("every layer");
+        progress.finish();
+        return Ok(QuantReport { format, seconds: t0.elapsed().as_secs_f64(), tokens: 0 });
+    }
+    let dev = model.lm_head().weights().device();
+    let ids = batches(windows, calib.batch, &dev)?;
+    let mut cache = cache_for(model, cfg, windows[0].len(), dtype, &dev)?;
+    let mut states: Vec<(Tensor, Activation)> = ids.iter().map(|b| model.embed(b)).collect::<Result<_>>()?;
+    let layers = model.num_layers();
+    progress.start(&format!("{format} (GPTQ, sequential)"), layers * (2 * ids.len() + 1));
+    for layer in 0..layers {
+        let name = format!("model.layers.{layer}");
+        let mut obs = Collector::new(vec![layer], vec![]);
+        for (res, xn) in &states {
+            model.block_prefill(layer, (res, xn), &mut cache, &mut obs)?;
+            progress.step(&format!("{name} calibrate"));
+        }
+        for slot in Slot::ALL {
+            let Some(st) = obs.stats.inputs.get(&(layer, slot)) else {
+                candle_core::bail!("calibration saw no input for {name} {}", slot.name())
+            };
+            let q = model.linear(layer, slot)?.quantize_with(format, Some(&st.hessian()?), opts)?;
+            model.set_linear(layer, slot, q)?;
+        }
+        progress.step(&format!("{name} quantize"));
+        for s in states.iter_mut() {
+            *s = model.block_prefill(layer, (&s.0, &s.1), &mut cache, &mut NoObserver)?;
+            progress.step(&format!("{name} propagate"));
+        }
+    }
+    let head = model.lm_head().quantize(Llama::head_format(format))?;
+    model.set_lm_head(head)?;
+    progress.finish();
+    let tokens = windows.iter().map(Vec::len).sum();
+    Ok(QuantReport { format, seconds: t0.elapsed().as_secs_f64(), tokens })
+}

@@ -1,0 +1,331 @@
+//! The formats layer: every weight format a [`QLinear`](crate::QLinear) can hold.
+//!
+//! A format is one module here plus one line in the [`registry!`] below:
+//!
+//! - a [`FormatSpec`] (`static`): its CLI name and aliases, error bounds, whether it needs
+//!   calibration statistics, whether its decode step captures into a CUDA graph, its stored
+//!   layout version, and its [`Codec`] — how dense weights become packed ones
+//!   ([`Codec::quantize`]) and how stored tensors become them again
+//!   ([`Codec::from_tensors`]);
+//! - packed weights behind [`LinearWeights`]: shape, bytes, dequantize, forward, the
+//!   tensors a checkpoint stores, and optional fused paths ([`Epilogue`]) that return
+//!   `None` where they do not apply, decided once when the layer is built ([`Plan`]);
+//! - the format's CPU references (quantize, pack, dequantize) as free functions in its
+//!   module; its CustomOps in `src/ops/`, its kernels in `cuda/`.
+//!
+//! The model, the CLI tools and the bench read only this layer: adding a format changes
+//! none of them.
+//!
+//! Stored tensors follow one rule that lets the model fuse projections (Q, K and V into
+//! one; gate and up into one) and a checkpoint keep them under their own HF names: every
+//! tensor a format stores for a `[n, k]` weight has the weight's `n` output rows as its
+//! leading dimension, so stacking layers along the rows stacks each of their tensors along
+//! dim 0 (and splitting does the reverse).
+
+pub mod dense;
+pub mod ggml;
+pub mod uniform;
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// Whether a format needs calibration statistics to quantize.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Calibration {
+    /// Quantized from the weights alone.
+    None,
+    /// GPTQ: needs each linear layer's input Hessian `XᵀX` (see [`crate::calib`]).
+    Hessian,
+}
+
+/// Everything the CLI, the bench and the checkpoint code know about a format.
+pub struct FormatSpec {
+    /// CLI name (`--quant NAME`), also what checkpoints record.
+    pub name: &'static str,
+    /// Other spellings `--quant` accepts.
+    pub aliases: &'static [&'static str],
+    /// One line for `--help` and the docs.
+    pub about: &'static str,
+    /// Relative error `‖x·Ŵᵀ − x·Wᵀ‖ / ‖x·Wᵀ‖` the format stays under for Gaussian weights
+    /// (std 1/√k) and inputs at k = 512 (its quantization error; tests hold it to this).
+    pub error_bound: f64,
+    /// Relative error of a forward against `x · dequantize()ᵀ` in f32 on the same packed
+    /// weights: what the kernels are held to (f16 output rounding, activations quantized
+    /// inside a kernel).
+    pub tolerance: f64,
+    pub calibration: Calibration,
+    /// The decode step of a model in this format captures into a CUDA graph.
+    pub graph_safe: bool,
+    /// Version of the stored layout: checkpoints record it, and loading another fails.
+    pub version: u32,
+    /// The format this one stores exactly as (its quantizer differs, its bytes and kernels
+    /// do not: `int4-gptq` stores as `int4`); speed rows time that one.
+    pub stores_as: Option<WeightFormat>,
+    pub codec: &'static dyn Codec,
+}
+
+impl std::fmt::Debug for FormatSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FormatSpec").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+/// Options of a quantizer; each format reads the ones it uses and records them.
+#[derive(Debug, Clone)]
+pub struct QuantOptions {
+    /// GPTQ settings (formats with [`Calibration::Hessian`]).
+    pub gptq: crate::gptq::GptqConfig,
+}
+
+impl Default for QuantOptions {
+    fn default() -> Self {
+        Self { gptq: crate::gptq::GptqConfig::default() }
+    }
+}
+
+/// How a format turns weights into its encoding and back.
+pub trait Codec: Sync {
+    /// Encode a dense weight `w` `[n, k]` (any float dtype) on `w`'s device. `hessian` is
+    /// the layer input's `XᵀX / count` `[k, k]` (f32) for formats that need it.
+    fn quantize(
+        &self,
+        format: WeightFormat,
+        w: &Tensor,
+        hessian: Option<&Tensor>,
+        opts: &QuantOptions,
+    ) -> Result<Box<dyn LinearWeights>>;
+
+    /// Rebuild `[n, k]` weights from the tensors [`LinearWeights::tensors`] produced (by
+    /// field name), on their device. Rejects missing fields and wrong shapes or dtypes,
+    /// naming them.
+    fn from_tensors(
+        &self,
+        format: WeightFormat,
+        shape: (usize, usize),
+        tensors: &std::collections::HashMap<String, Tensor>,
+    ) -> Result<Box<dyn LinearWeights>>;
+}
+
+/// A fused path a format may offer at decode sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    /// Gate/up projection (weight rows: gate, then up) with `silu(gate) * up` applied:
+    /// `[m, k]` → `[m, n / 2]` in the input's dtype.
+    SiluMul,
+    /// f32 output straight from the accumulators (an output head's logits).
+    F32Out,
+}
+
+impl Epilogue {
+    pub const ALL: [Self; 2] = [Self::SiluMul, Self::F32Out];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::SiluMul => "SiLU·mul epilogue",
+            Self::F32Out => "f32 output",
+        }
+    }
+}
+
+/// The kernels a layer uses, chosen once when it is built: its matmul, and for each
+/// [`Epilogue`] either `Ok` (fused at decode sizes) or the reason it is not.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// What runs the matmul (e.g. "skinny matmul at m = 1, cuBLAS above").
+    pub matmul: String,
+    pub silu_mul: std::result::Result<(), String>,
+    pub f32_out: std::result::Result<(), String>,
+}
+
+impl Plan {
+    pub fn epilogue(&self, e: Epilogue) -> &std::result::Result<(), String> {
+        match e {
+            Epilogue::SiluMul => &self.silu_mul,
+            Epilogue::F32Out => &self.f32_out,
+        }
+    }
+}
+
+/// What a projection reads. Every format so far reads dense activations; a format that
+/// reads an already quantized input (W4A4) adds its encoding here, and the norms and
+/// epilogues that produce it dispatch on [`InputEncoding`] inside `ops`, so the model
+/// keeps one code path.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Activation {
+    /// `[.., k]` in the run dtype.
+    Dense(Tensor),
+}
+
+impl Activation {
+    /// The dense tensor, or an error naming the encoding this caller cannot read.
+    pub fn dense(&self) -> Result<&Tensor> {
+        match self {
+            Self::Dense(t) => Ok(t),
+        }
+    }
+}
+
+/// The input encoding a projection asks for (the model asks once, at load).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InputEncoding {
+    Dense,
+}
+
+/// A format's packed weights for one linear layer `y = x · Wᵀ`, `W` `[n, k]`.
+pub trait LinearWeights: std::fmt::Debug + Send + Sync {
+    fn format(&self) -> WeightFormat;
+
+    /// `(n, k)` = (out, in).
+    fn shape(&self) -> (usize, usize);
+
+    /// Bytes a forward reads: codes, scales, zeros, every piece of metadata.
+    fn bytes(&self) -> usize;
+
+    /// The concrete encoding, where it differs from the format's name (a `q4k` layer whose
+    /// rows fell back to `q5_0`; dense weights: their dtype).
+    fn encoding(&self) -> String {
+        self.format().spec().name.to_string()
+    }
+
+    fn device(&self) -> Device;
+
+    /// The weight `[n, k]` in f32 on its device.
+    fn dequantize(&self) -> Result<Tensor>;
+
+    /// `x` `[m, k]` (contiguous, f32/f16/bf16) · Wᵀ → `[m, n]` in `x`'s dtype.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// The kernels this layer uses ([`Plan`]), decided once.
+    fn plan(&self) -> Plan;
+
+    /// The fused path `e` for `x` `[m, k]`, or `None` where it does not apply to this call
+    /// (the plan rules it out, or `m` is past the fused kernel's range): the caller then
+    /// runs the unfused composition.
+    fn forward_fused(&self, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>> {
+        let _ = (e, x);
+        None
+    }
+
+    /// What this projection reads.
+    fn input_encoding(&self) -> InputEncoding {
+        InputEncoding::Dense
+    }
+
+    /// Every tensor of the encoding by field name, each with the `n` rows along dim 0 (the
+    /// checkpoint's content; [`Codec::from_tensors`] reads it back).
+    fn tensors(&self) -> Result<Vec<(String, Tensor)>>;
+}
+
+macro_rules! registry {
+    ($($(#[$doc:meta])* $variant:ident => $spec:path,)*) => {
+        /// A weight format (its [`FormatSpec`] says the rest). Parse one from a CLI string
+        /// with `str::parse`.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum WeightFormat {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl WeightFormat {
+            /// Every format, in the order `--help` and the bench list them.
+            pub const ALL: &'static [Self] = &[$(Self::$variant,)*];
+
+            pub fn spec(self) -> &'static FormatSpec {
+                match self {
+                    $(Self::$variant => &$spec,)*
+                }
+            }
+        }
+    };
+}
+
+// The registry: one line per format.
+registry! {
+    /// Unquantized, in the run dtype (f16 on GPU by default).
+    Dense => dense::SPEC,
+    /// candle's GGML formats (QMatMul), quantized from the loaded weights.
+    Q8_0 => ggml::Q8_0,
+    Q4_0 => ggml::Q4_0,
+    Q4_1 => ggml::Q4_1,
+    Q4K => ggml::Q4K,
+    Q3K => ggml::Q3K,
+    Q2K => ggml::Q2K,
+    /// Uniform asymmetric groups of 128 along k, round to nearest / GPTQ.
+    Int4 => uniform::INT4,
+    Int4Gptq => uniform::INT4_GPTQ,
+    Int3 => uniform::INT3,
+    Int3Gptq => uniform::INT3_GPTQ,
+    Int2 => uniform::INT2,
+    Int2Gptq => uniform::INT2_GPTQ,
+}
+
+impl WeightFormat {
+    pub fn name(&self) -> &'static str {
+        self.spec().name
+    }
+
+    /// Every CLI name, in the order of [`WeightFormat::ALL`].
+    pub fn names() -> Vec<&'static str> {
+        Self::ALL.iter().map(|f| f.name()).collect()
+    }
+
+    /// The formats whose speed the bench times: each storage once (a GPTQ variant stores
+    /// exactly as its round-to-nearest twin).
+    pub fn timed() -> impl Iterator<Item = Self> {
+        Self::ALL.iter().copied().filter(|f| f.spec().stores_as.is_none())
+    }
+
+    pub fn needs_calibration(&self) -> bool {
+        self.spec().calibration != Calibration::None
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = candle_core::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let want = s.to_ascii_lowercase();
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|f| f.spec().name == want || f.spec().aliases.contains(&want.as_str()))
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "unknown weight format '{s}'; supported: {}",
+                    Self::names().join(", ")
+                ))
+            })
+    }
+}
+
+/// `tensors[name]`, or an error naming the field, the format and the layer shape.
+pub(crate) fn field<'a>(
+    tensors: &'a std::collections::HashMap<String, Tensor>,
+    name: &str,
+    format: WeightFormat,
+    shape: (usize, usize),
+) -> Result<&'a Tensor> {
+    tensors.get(name).ok_or_else(|| {
+        candle_core::Error::Msg(format!(
+            "{format}: a [{}, {}] layer has no '{name}' tensor",
+            shape.0, shape.1
+        ))
+    })
+}
+
+/// Check that a stored tensor has `dims` and `dtype`, naming the field otherwise.
+pub(crate) fn expect(t: &Tensor, what: &str, dims: &[usize], dtype: DType) -> Result<()> {
+    if t.dims() != dims || t.dtype() != dtype {
+        candle_core::bail!(
+            "tensor '{what}' is {:?} {:?}, expected {dims:?} {dtype:?}",
+            t.dims(),
+            t.dtype()
+        )
+    }
+    Ok(())
+}

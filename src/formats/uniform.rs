@@ -1,0 +1,359 @@
+//! Uniform asymmetric integer weights: `int4`, `int3`, `int2`, each with round-to-nearest
+//! or GPTQ (`int4-gptq`, `int3-gptq`, `int2-gptq`: the same layout, a better quantizer).
+//! The literature's baselines and the peers the mixed-precision formats must beat.
+//!
+//! # Layout (version 1)
+//!
+//! A weight `[n, k]` is cut along k into groups of [`GROUP`] = 128 columns (the last group
+//! of a row whose k is not a multiple of 128 is shorter: k = 576 has four groups of 128 and
+//! one of 64). Each (row, group) has an f16 `scale` and an f16 `zero`, the value code 0
+//! stands for: a code `q` in `0..2^b` means `w = q · scale + zero` (computed in f32, then
+//! rounded once to the run dtype). Round to nearest takes `zero = min`, `scale = (max −
+//! min) / (2^b − 1)` over the group (both rounded to f16 first) and `q = clamp(round((w −
+//! zero) / scale), 0, 2^b − 1)`.
+//!
+//! | tensor   | dtype | shape                | content |
+//! |----------|-------|----------------------|---------|
+//! | `qweight`| u32   | `[n, ⌈k·b / 32⌉]`    | each row's codes as one bit string, code j in bits `b·j .. b·j + b` (LSB first), word i holding bits `32 i .. 32 i + 32`, zero-padded |
+//! | `scales` | f16   | `[n, ⌈k / 128⌉]`     | |
+//! | `zeros`  | f16   | `[n, ⌈k / 128⌉]`     | |
+//!
+//! Bits per weight, every byte counted (k a multiple of 128): `b + 32 / 128` — 4.25, 3.25
+//! and 2.25.
+//!
+//! The forward here is the reference one (dequantize to the input dtype with
+//! `ops::uniform_dequantize`, then candle's matmul); the fast kernels come with the
+//! mixed 2/4/16-bit format, whose all-4-bit and all-2-bit tiles serve these formats too.
+
+use super::{Calibration, Codec, FormatSpec, LinearWeights, Plan, QuantOptions, WeightFormat};
+use crate::gptq::GroupRule;
+use candle_core::{DType, Device, Result, Tensor};
+use half::f16;
+use std::collections::HashMap;
+
+/// Columns per group.
+pub const GROUP: usize = 128;
+
+macro_rules! uniform_spec {
+    ($name:ident, $cli:literal, $bits:literal, $gptq:literal, $cal:ident, $stores:expr, $bound:expr, $about:literal) => {
+        pub static $name: FormatSpec = FormatSpec {
+            name: $cli,
+            aliases: &[],
+            about: $about,
+            error_bound: $bound,
+            tolerance: 5e-3,
+            calibration: Calibration::$cal,
+            graph_safe: true,
+            version: 1,
+            stores_as: $stores,
+            codec: &UniformCodec { bits: $bits, gptq: $gptq },
+        };
+    };
+}
+
+uniform_spec!(INT4, "int4", 4, false, None, None, 0.12, "4-bit asymmetric groups of 128, round to nearest");
+uniform_spec!(INT3, "int3", 3, false, None, None, 0.25, "3-bit asymmetric groups of 128, round to nearest");
+uniform_spec!(INT2, "int2", 2, false, None, None, 0.6, "2-bit asymmetric groups of 128, round to nearest");
+uniform_spec!(
+    INT4_GPTQ,
+    "int4-gptq",
+    4,
+    true,
+    Hessian,
+    Some(WeightFormat::Int4),
+    0.12,
+    "int4 quantized with GPTQ (needs calibration)"
+);
+uniform_spec!(
+    INT3_GPTQ,
+    "int3-gptq",
+    3,
+    true,
+    Hessian,
+    Some(WeightFormat::Int3),
+    0.25,
+    "int3 quantized with GPTQ (needs calibration)"
+);
+uniform_spec!(
+    INT2_GPTQ,
+    "int2-gptq",
+    2,
+    true,
+    Hessian,
+    Some(WeightFormat::Int2),
+    0.6,
+    "int2 quantized with GPTQ (needs calibration)"
+);
+
+/// u32 words per row of `k` codes of `bits`.
+pub fn words_per_row(k: usize, bits: u32) -> usize {
+    (k * bits as usize).div_ceil(32)
+}
+
+/// Groups per row of `k`.
+pub fn groups(k: usize) -> usize {
+    k.div_ceil(GROUP)
+}
+
+// ---------------------------------------------------------------------------------------
+// CPU references: pack, unpack, dequantize.
+
+/// Pack codes `[n, k]` (each `< 2^bits`) into `[n, words_per_row(k, bits)]` words.
+pub fn pack(codes: &[u8], n: usize, k: usize, bits: u32) -> Result<Vec<u32>> {
+    if codes.len() != n * k || !(1..=8).contains(&bits) {
+        candle_core::bail!("pack: {} codes for [{n}, {k}] at {bits} bits", codes.len())
+    }
+    let wpr = words_per_row(k, bits);
+    let mut out = vec![0u32; n * wpr];
+    for r in 0..n {
+        let row = &mut out[r * wpr..(r + 1) * wpr];
+        for (j, &c) in codes[r * k..(r + 1) * k].iter().enumerate() {
+            if u32::from(c) >> bits != 0 {
+                candle_core::bail!("pack: code {c} at [{r}, {j}] does not fit {bits} bits")
+            }
+            let bit = j * bits as usize;
+            let (w, o) = (bit / 32, bit % 32);
+            row[w] |= u32::from(c) << o;
+            if o + bits as usize > 32 {
+                row[w + 1] |= u32::from(c) >> (32 - o);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Code `j` of a packed row.
+pub fn code_at(row: &[u32], j: usize, bits: u32) -> u8 {
+    let bit = j * bits as usize;
+    let (w, o) = (bit / 32, bit % 32);
+    let mut v = row[w] >> o;
+    if o + bits as usize > 32 {
+        v |= row[w + 1] << (32 - o);
+    }
+    (v & ((1u32 << bits) - 1)) as u8
+}
+
+/// The codes `[n, k]` of packed words `[n, words_per_row(k, bits)]`.
+pub fn unpack(words: &[u32], n: usize, k: usize, bits: u32) -> Vec<u8> {
+    let wpr = words_per_row(k, bits);
+    (0..n).flat_map(|r| (0..k).map(move |j| code_at(&words[r * wpr..(r + 1) * wpr], j, bits))).collect()
+}
+
+/// The weight `[n, k]` in f32: `q · scale + zero` per group (the kernels compute exactly
+/// this, without a fused multiply-add, then round once to their output dtype).
+pub fn dequantize(words: &[u32], scales: &[f16], zeros: &[f16], n: usize, k: usize, bits: u32) -> Vec<f32> {
+    let (wpr, g) = (words_per_row(k, bits), groups(k));
+    let mut out = Vec::with_capacity(n * k);
+    for r in 0..n {
+        let row = &words[r * wpr..(r + 1) * wpr];
+        for j in 0..k {
+            let (s, z) = (scales[r * g + j / GROUP].to_f32(), zeros[r * g + j / GROUP].to_f32());
+            out.push(f32::from(code_at(row, j, bits)) * s + z);
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// The quantization rule (round to nearest within a group), for RTN and GPTQ alike.
+
+/// Asymmetric `bits`-bit groups of [`GROUP`]: parameters `[scale, zero]` per (row, group),
+/// both f16-representable.
+#[derive(Debug, Clone, Copy)]
+pub struct UniformRule {
+    pub bits: u32,
+}
+
+impl UniformRule {
+    fn maxq(&self) -> f32 {
+        ((1u32 << self.bits) - 1) as f32
+    }
+
+    fn scale_zero(&self, mn: f32, mx: f32) -> (f32, f32) {
+        let scale = f16::from_f32((mx - mn) / self.maxq()).to_f32();
+        let scale = if scale > 0.0 && scale.is_finite() { scale } else { 1.0 };
+        (scale, f16::from_f32(mn).to_f32())
+    }
+}
+
+impl GroupRule for UniformRule {
+    fn group_size(&self) -> usize {
+        GROUP
+    }
+
+    fn params(&self) -> usize {
+        2
+    }
+
+    fn fit(&self, _group: usize, w: &[f32], p: &mut [f32]) {
+        let mn = w.iter().copied().fold(f32::INFINITY, f32::min);
+        let mx = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (s, z) = self.scale_zero(mn, mx);
+        p[0] = s;
+        p[1] = z;
+    }
+
+    fn quantize(&self, _col: usize, p: &[f32], x: f32) -> (u8, f32) {
+        let q = ((x - p[1]) / p[0]).round().clamp(0.0, self.maxq());
+        (q as u8, q * p[0] + p[1])
+    }
+
+    fn fit_t(&self, _group: usize, wt: &Tensor) -> Result<Tensor> {
+        let mn = wt.min_keepdim(0)?;
+        let mx = wt.max_keepdim(0)?;
+        let scale = ((&mx - &mn)? / self.maxq() as f64)?.to_dtype(DType::F16)?.to_dtype(DType::F32)?;
+        // Where the range is 0 (or the scale underflows), scale 1: every code is 0.
+        let ok = scale.gt(0f64)?;
+        let scale = ok.where_cond(&scale, &scale.ones_like()?)?;
+        let zero = mn.to_dtype(DType::F16)?.to_dtype(DType::F32)?;
+        Tensor::cat(&[scale, zero], 0)
+    }
+
+    fn quantize_t(&self, _col: usize, wt: &Tensor, p: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (scale, zero) = (p.narrow(0, 0, 1)?, p.narrow(0, 1, 1)?);
+        let q = wt.broadcast_sub(&zero)?.broadcast_div(&scale)?.round()?.clamp(0f32, self.maxq())?;
+        let v = q.broadcast_mul(&scale)?.broadcast_add(&zero)?;
+        Ok((q.to_dtype(DType::U8)?, v))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The packed weights.
+
+/// A `[n, k]` weight in `int4` / `int3` / `int2` (the layout in the module docs).
+#[derive(Debug, Clone)]
+pub struct UniformWeights {
+    format: WeightFormat,
+    bits: u32,
+    shape: (usize, usize),
+    /// u32 `[n, words_per_row(k, bits)]`.
+    qweight: Tensor,
+    /// f16 `[n, groups(k)]`.
+    scales: Tensor,
+    /// f16 `[n, groups(k)]`.
+    zeros: Tensor,
+}
+
+impl UniformWeights {
+    /// From codes u8 `[n, k]` and parameters f32 `[n, groups(k), 2]` (scale, zero; already
+    /// f16-representable), packing the codes on their device.
+    pub fn from_codes(format: WeightFormat, bits: u32, codes: &Tensor, params: &Tensor) -> Result<Self> {
+        let (n, k) = codes.dims2()?;
+        let g = groups(k);
+        if params.dims() != [n, g, 2] {
+            candle_core::bail!("uniform: params {:?} for codes [{n}, {k}], expected [{n}, {g}, 2]", params.shape())
+        }
+        let qweight = crate::ops::uniform_pack(codes, bits)?;
+        let scales = params.narrow(2, 0, 1)?.squeeze(2)?.to_dtype(DType::F16)?.contiguous()?;
+        let zeros = params.narrow(2, 1, 1)?.squeeze(2)?.to_dtype(DType::F16)?.contiguous()?;
+        Self::new(format, bits, (n, k), qweight, scales, zeros)
+    }
+
+    fn new(
+        format: WeightFormat,
+        bits: u32,
+        (n, k): (usize, usize),
+        qweight: Tensor,
+        scales: Tensor,
+        zeros: Tensor,
+    ) -> Result<Self> {
+        super::expect(&qweight, "qweight", &[n, words_per_row(k, bits)], DType::U32)?;
+        super::expect(&scales, "scales", &[n, groups(k)], DType::F16)?;
+        super::expect(&zeros, "zeros", &[n, groups(k)], DType::F16)?;
+        Ok(Self { format, bits, shape: (n, k), qweight, scales, zeros })
+    }
+
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+
+    /// The weight `[n, k]` in `dtype` (the kernel on the GPU, the reference on the CPU).
+    pub fn dequantize_to(&self, dtype: DType) -> Result<Tensor> {
+        crate::ops::uniform_dequantize(&self.qweight, &self.scales, &self.zeros, self.shape.1, self.bits, dtype)
+    }
+}
+
+impl LinearWeights for UniformWeights {
+    fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        self.shape
+    }
+
+    fn bytes(&self) -> usize {
+        let (n, k) = self.shape;
+        n * (words_per_row(k, self.bits) * 4 + groups(k) * 4)
+    }
+
+    fn device(&self) -> Device {
+        self.qweight.device().clone()
+    }
+
+    fn dequantize(&self) -> Result<Tensor> {
+        self.dequantize_to(DType::F32)
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match x.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => x.matmul(&self.dequantize_to(x.dtype())?.t()?),
+            dt => candle_core::bail!("{}: unsupported input dtype {dt:?} (f32, f16, bf16)", self.format),
+        }
+    }
+
+    fn plan(&self) -> Plan {
+        let none = || Err("the reference path (dequantize + matmul) has no fused epilogue".to_string());
+        Plan {
+            matmul: format!("{}: dequantize to the input dtype + candle matmul, every call (reference path)", self.format),
+            silu_mul: none(),
+            f32_out: none(),
+        }
+    }
+
+    fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(vec![
+            ("qweight".to_string(), self.qweight.clone()),
+            ("scales".to_string(), self.scales.clone()),
+            ("zeros".to_string(), self.zeros.clone()),
+        ])
+    }
+}
+
+/// `int{bits}` quantized by round to nearest or by GPTQ.
+pub struct UniformCodec {
+    pub bits: u32,
+    pub gptq: bool,
+}
+
+impl Codec for UniformCodec {
+    fn quantize(
+        &self,
+        format: WeightFormat,
+        w: &Tensor,
+        hessian: Option<&Tensor>,
+        opts: &QuantOptions,
+    ) -> Result<Box<dyn LinearWeights>> {
+        let rule = UniformRule { bits: self.bits };
+        let q = match (self.gptq, hessian) {
+            (false, _) => crate::gptq::round_to_nearest(w, &rule)?,
+            (true, Some(h)) => crate::gptq::gptq(w, h, &rule, &opts.gptq)?.quantized,
+            (true, None) => candle_core::bail!(
+                "{format} needs calibration statistics (the layer input's Hessian) to quantize a {:?} weight; \
+                 quantize the model through candle_lowbit::calib (the tools: --calib FILE)",
+                w.shape()
+            ),
+        };
+        Ok(Box::new(UniformWeights::from_codes(format, self.bits, &q.codes, &q.params)?))
+    }
+
+    fn from_tensors(
+        &self,
+        format: WeightFormat,
+        shape: (usize, usize),
+        tensors: &HashMap<String, Tensor>,
+    ) -> Result<Box<dyn LinearWeights>> {
+        let get = |name: &str| super::field(tensors, name, format, shape).cloned();
+        Ok(Box::new(UniformWeights::new(format, self.bits, shape, get("qweight")?, get("scales")?, get("zeros")?)?))
+    }
+}
