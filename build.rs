@@ -5,16 +5,16 @@
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed=cuda");
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
-        return;
-    }
     #[cfg(feature = "cuda")]
-    build_ptx();
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        build_ptx();
+    }
 }
 
 #[cfg(feature = "cuda")]
 fn build_ptx() {
-    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
+    let out_dir =
+        std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
     let ptx = cudaforge::KernelBuilder::new()
         .source_glob("cuda/*.cu")
         .arg("-std=c++17")
@@ -22,5 +22,6 @@ fn build_ptx() {
         .arg("--expt-relaxed-constexpr")
         .build_ptx()
         .expect("nvcc failed to build cuda/*.cu (source ../shared/cuda/toolchain.sh first)");
-    ptx.write(out_dir.join("ptx.rs")).expect("cannot write ptx.rs");
+    ptx.write(out_dir.join("ptx.rs"))
+        .expect("cannot write ptx.rs");
 }

@@ -11,6 +11,10 @@
 //! - `floor/<config>/...`: the 32 layers at tiny widths (host-side cost per token).
 //! - `e2e/<config>/...`: a Llama-2-7B-shaped model with random weights: prefill tokens/s,
 //!   decode ms/token by context, decode tokens/s by batch, peak device memory.
+//! - `gptq/...`: the quantizer: the inverse-Hessian factor at 7B widths, and GPTQ of one
+//!   Llama-2-7B-shaped block on 128 × 2048 calibration tokens (extrapolated to the model).
+//! - `model/<name>/<config>/...` (with `--model`): a real model or checkpoint, loaded as
+//!   `generate` loads it: load time, graph check, prefill, decode.
 //!
 //! ```text
 //! cargo run --release --features cuda --example bench                # everything (< 8 min on the H200)
@@ -18,14 +22,19 @@
 //! cargo run --release --features cuda --example bench -- --json > bench.jsonl
 //! cargo run --example bench -- --quick                               # CPU smoke test, tiny shapes
 //! cargo run --example bench -- --list                                # the row names, nothing run
+//! cargo run --release --features cuda --example bench -- --model ck --filter model  # a checkpoint
 //! ```
 
 #[path = "bench/attention.rs"]
 mod attention;
 #[path = "bench/ceiling.rs"]
 mod ceiling;
+#[path = "common/mod.rs"]
+mod common;
 #[path = "bench/e2e.rs"]
 mod e2e;
+#[path = "bench/gptq.rs"]
+mod gptq;
 #[path = "bench/kernels.rs"]
 mod kernels;
 #[path = "bench/models.rs"]
@@ -80,6 +89,17 @@ pub struct Args {
     /// Run on the CPU even if a GPU is present (full sizes only with a narrow --filter).
     #[arg(long)]
     pub cpu: bool,
+
+    /// A real model or checkpoint for the `model` section (as `generate --model`).
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+
+    /// The `model` section's weight format, quantized at load [default: as stored].
+    #[arg(long)]
+    pub quant: Option<candle_lowbit::WeightFormat>,
+
+    #[command(flatten)]
+    pub calib: common::CalibArgs,
 }
 
 fn main() {
@@ -100,8 +120,14 @@ fn run(args: &Args) -> Result<bool> {
     // decoder needs it, and stock candle loses only host overhead with it (conservative).
     let dev = candle_lowbit::graph::default_device(args.cpu)?;
     if !dev.is_cuda() && !args.quick && !args.list && !args.cpu {
-        let why = if cfg!(feature = "cuda") { "no CUDA device was found" } else { "built without the cuda feature" };
-        anyhow::bail!("{why}; the full run needs the GPU. Use --quick for a CPU smoke test, or --list.");
+        let why = if cfg!(feature = "cuda") {
+            "no CUDA device was found"
+        } else {
+            "built without the cuda feature"
+        };
+        anyhow::bail!(
+            "{why}; the full run needs the GPU. Use --quick for a CPU smoke test, or --list."
+        );
     }
     let mut ctx = Ctx::new(dev, args)?;
     if !args.list {
@@ -113,9 +139,21 @@ fn run(args: &Args) -> Result<bool> {
         attention::run(&mut ctx)?;
         e2e::run(&mut ctx, e2e::Section::Floor)?;
         e2e::run(&mut ctx, e2e::Section::E2e)?;
+        gptq::run(&mut ctx)?;
+        if let Some(path) = &args.model {
+            model_section(&mut ctx, args, path)?;
+        }
         Ok(())
     })();
-    for g in ["meta", "kernels", "attention", "floor", "e2e"] {
+    for g in [
+        "meta",
+        "kernels",
+        "attention",
+        "floor",
+        "e2e",
+        "gptq",
+        "model",
+    ] {
         ctx.report.print_group(g);
     }
     let count = |s: Status| ctx.report.rows.iter().filter(|r| r.status == s).count();
@@ -136,9 +174,32 @@ fn run(args: &Args) -> Result<bool> {
     Ok(true)
 }
 
+/// Load `--model` as `generate` would (quantizing with `--quant`, calibrating where the
+/// format needs it) and run the `model` rows on it.
+fn model_section(ctx: &mut Ctx, args: &Args, path: &std::path::Path) -> Result<()> {
+    if ctx.list || !ctx.wants("model/") {
+        return Ok(());
+    }
+    args.calib.check(args.quant)?;
+    let source = candle_lowbit::model_files::ModelSource::from_path(path)?;
+    let mut bars = common::Bars::new();
+    let mut opts =
+        candle_lowbit::loader::LoadOptions::new(ctx.dtype, &ctx.dev, args.quant, &mut bars);
+    opts.quant_options = args.calib.quant_options();
+    opts.calib = args.calib.source();
+    let t0 = std::time::Instant::now();
+    let loaded = candle_lowbit::loader::load(&source, opts)?;
+    ctx.dev.synchronize()?;
+    let load_s = t0.elapsed().as_secs_f64();
+    e2e::run_model(ctx, loaded, load_s)
+}
+
 fn meta_row(ctx: &Ctx, args: &Args) -> Row {
     let (name, sms) = util::device_info(&ctx.dev);
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let row = Row::new("meta", "meta/run")
         .text("date_utc", utc_date(secs))
         .text("device", name)
@@ -151,7 +212,10 @@ fn meta_row(ctx: &Ctx, args: &Args) -> Row {
         .opt("mem_used_GiB", util::mem_used(&ctx.dev).map(util::gib));
     match &ctx.ceiling.verified {
         Ok(()) => row,
-        Err(e) => row.status(Status::Fail, format!("streaming-read ceiling disabled: {e}")),
+        Err(e) => row.status(
+            Status::Fail,
+            format!("streaming-read ceiling disabled: {e}"),
+        ),
     }
 }
 

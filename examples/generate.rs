@@ -80,7 +80,12 @@ impl Run {
     }
 
     fn text(&self, tok: &Tokenizer, eos: &[u32]) -> Result<String> {
-        let ids: Vec<u32> = self.tokens.iter().copied().filter(|t| !eos.contains(t)).collect();
+        let ids: Vec<u32> = self
+            .tokens
+            .iter()
+            .copied()
+            .filter(|t| !eos.contains(t))
+            .collect();
         tok.decode(&ids, true).map_err(anyhow::Error::msg)
     }
 }
@@ -118,30 +123,60 @@ fn generate(
     }
     device.synchronize()?;
     let decode_secs = decode_start.elapsed().as_secs_f64();
-    Ok(Run { tokens, n_prompt: prompt.len(), prompt_secs, decode_secs })
+    Ok(Run {
+        tokens,
+        n_prompt: prompt.len(),
+        prompt_secs,
+        decode_secs,
+    })
 }
 
 /// Whether a GGUF file asks for a BOS token (`tokenizer.ggml.add_bos_token`).
 fn gguf_wants_bos(source: &ModelSource) -> bool {
-    let ModelSource::Gguf(path) = source else { return false };
-    let Ok(mut f) = std::fs::File::open(path) else { return false };
-    let Ok(ct) = candle_core::quantized::gguf_file::Content::read(&mut f) else { return false };
-    ct.metadata.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false)
+    let ModelSource::Gguf(path) = source else {
+        return false;
+    };
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    let Ok(ct) = candle_core::quantized::gguf_file::Content::read(&mut f) else {
+        return false;
+    };
+    ct.metadata
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(|v| v.to_bool().ok())
+        .unwrap_or(false)
 }
 
 /// The prompt's token ids. With a chat template the rendered text carries its own markers
 /// (BOS included where the template wants one), so no special tokens are added. Without
 /// one, a `tokenizer.json` adds what its post-processor says, and a GGUF file gets a BOS
 /// when its metadata asks for one.
-fn prompt_ids(loaded: &Loaded, source: &ModelSource, prompt: &str, use_template: bool) -> Result<Vec<u32>> {
+fn prompt_ids(
+    loaded: &Loaded,
+    source: &ModelSource,
+    prompt: &str,
+    use_template: bool,
+) -> Result<Vec<u32>> {
     let tok = &loaded.tokenizer;
     let name = |id: Option<&u32>| id.and_then(|&i| tok.id_to_token(i)).unwrap_or_default();
     if let (true, Some(tmpl)) = (use_template, &loaded.chat_template) {
-        let (bos, eos) = (name(loaded.config.bos_token_id.as_ref()), name(loaded.eos.first()));
+        let (bos, eos) = (
+            name(loaded.config.bos_token_id.as_ref()),
+            name(loaded.eos.first()),
+        );
         let text = candle_lowbit::chat::render_user_prompt(tmpl, prompt, &bos, &eos)?;
-        return Ok(tok.encode(text, false).map_err(anyhow::Error::msg)?.get_ids().to_vec());
+        return Ok(tok
+            .encode(text, false)
+            .map_err(anyhow::Error::msg)?
+            .get_ids()
+            .to_vec());
     }
-    let mut ids = tok.encode(prompt, true).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let mut ids = tok
+        .encode(prompt, true)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec();
     if let Some(bos) = loaded.config.bos_token_id {
         if gguf_wants_bos(source) && ids.first() != Some(&bos) {
             ids.insert(0, bos);
@@ -153,8 +188,13 @@ fn prompt_ids(loaded: &Loaded, source: &ModelSource, prompt: &str, use_template:
 fn sampler(args: &Args, greedy: bool) -> LogitsProcessor {
     let sampling = match (greedy || args.temperature <= 0.0, args.top_p) {
         (true, _) => Sampling::ArgMax,
-        (false, None) => Sampling::All { temperature: args.temperature },
-        (false, Some(p)) => Sampling::TopP { p, temperature: args.temperature },
+        (false, None) => Sampling::All {
+            temperature: args.temperature,
+        },
+        (false, Some(p)) => Sampling::TopP {
+            p,
+            temperature: args.temperature,
+        },
     };
     LogitsProcessor::from_sampling(args.seed, sampling)
 }
@@ -166,13 +206,19 @@ fn run_ours(s: &common::Session, prompt: &[u32], args: &Args, max_ctx: usize) ->
     // Warm-up (kernel loading, cuBLAS set-up) outside the timings, as for stock below: two
     // tokens, so that both the prefill matmuls (cuBLAS) and the batch-1 ones (our skinny
     // matmul, the output head) are loaded before the prompt is timed.
-    l.model.forward(&Tensor::new(&prompt[..prompt.len().min(2)], &s.device)?.unsqueeze(0)?, 0, &mut cache)?;
+    l.model.forward(
+        &Tensor::new(&prompt[..prompt.len().min(2)], &s.device)?.unsqueeze(0)?,
+        0,
+        &mut cache,
+    )?;
     // Prefill through `forward`; each decode step is one replay of a captured CUDA graph
     // (eager on the CPU).
     let mut decoder = GraphDecoder::new(&l.model, 1, &s.device)?;
     let step = |ids: &[u32], pos: usize| match (ids.len(), pos) {
         (1, p) if p > 0 => decoder.step(&l.model, &mut cache, ids, pos),
-        _ => l.model.forward(&Tensor::new(ids, &s.device)?.unsqueeze(0)?, pos, &mut cache),
+        _ => l
+            .model
+            .forward(&Tensor::new(ids, &s.device)?.unsqueeze(0)?, pos, &mut cache),
     };
     let mut stream = l.tokenizer.decode_stream(false);
     let mut stdout = std::io::stdout();
@@ -184,7 +230,15 @@ fn run_ours(s: &common::Session, prompt: &[u32], args: &Args, max_ctx: usize) ->
         Ok(())
     };
     let mut sampler = sampler(args, args.compare);
-    let run = generate(step, prompt, args.sample_len, &l.eos, &mut sampler, &s.device, &mut emit)?;
+    let run = generate(
+        step,
+        prompt,
+        args.sample_len,
+        &l.eos,
+        &mut sampler,
+        &s.device,
+        &mut emit,
+    )?;
     println!();
     Ok(run)
 }
@@ -193,11 +247,23 @@ fn run_ours(s: &common::Session, prompt: &[u32], args: &Args, max_ctx: usize) ->
 fn run_stock(s: &common::Session, prompt: &[u32], args: &Args) -> Result<Run> {
     eprintln!("running {} ...", common::stock_name(&s.source, s.dtype));
     let mut stock = StockModel::load(&s.source, s.dtype, &s.device)?;
-    stock.forward(&Tensor::new(&prompt[..prompt.len().min(1)], &s.device)?.unsqueeze(0)?, 0)?;
+    stock.forward(
+        &Tensor::new(&prompt[..prompt.len().min(1)], &s.device)?.unsqueeze(0)?,
+        0,
+    )?;
     stock.clear()?;
-    let step = |ids: &[u32], pos: usize| stock.forward(&Tensor::new(ids, &s.device)?.unsqueeze(0)?, pos);
+    let step =
+        |ids: &[u32], pos: usize| stock.forward(&Tensor::new(ids, &s.device)?.unsqueeze(0)?, pos);
     let mut sampler = sampler(args, true);
-    generate(step, prompt, args.sample_len, &s.loaded.eos, &mut sampler, &s.device, &mut |_| Ok(()))
+    generate(
+        step,
+        prompt,
+        args.sample_len,
+        &s.loaded.eos,
+        &mut sampler,
+        &s.device,
+        &mut |_| Ok(()),
+    )
 }
 
 fn print_speeds(run: &Run) {
@@ -213,7 +279,10 @@ fn print_speeds(run: &Run) {
 
 /// Where two token sequences first differ, if they do.
 fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
-    a.iter().zip(b).position(|(x, y)| x != y).or((a.len() != b.len()).then(|| a.len().min(b.len())))
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x != y)
+        .or((a.len() != b.len()).then(|| a.len().min(b.len())))
 }
 
 fn print_comparison(s: &common::Session, ours: &Run, stock: &Run) -> Result<()> {
@@ -222,17 +291,35 @@ fn print_comparison(s: &common::Session, ours: &Run, stock: &Run) -> Result<()> 
         Some(&id) => format!("{id} {:?}", tok.id_to_token(id).unwrap_or_default()),
         None => "end".to_string(),
     };
-    println!("\n==== comparison (greedy, {} prompt tokens)", ours.n_prompt);
-    println!("---- ours: weights {}, kv cache {}", common::weights_label(s), s.kv_cache);
+    println!(
+        "\n==== comparison (greedy, {} prompt tokens)",
+        ours.n_prompt
+    );
+    println!(
+        "---- ours: weights {}, kv cache {}",
+        common::weights_label(s),
+        s.kv_cache
+    );
     println!("{}", ours.text(tok, eos)?);
     println!("---- {}", common::stock_name(&s.source, s.dtype));
     println!("{}", stock.text(tok, eos)?);
     println!("----");
-    println!("{:<12} {:>12} {:>12} {:>12}", "tokens/s", "ours", "stock", "ours/stock");
+    println!(
+        "{:<12} {:>12} {:>12} {:>12}",
+        "tokens/s", "ours", "stock", "ours/stock"
+    );
     let (p_o, p_s) = (ours.prompt_tps(), stock.prompt_tps());
     let (g_o, g_s) = (ours.decode_tps(), stock.decode_tps());
-    println!("{:<12} {p_o:>12.1} {p_s:>12.1} {:>11.2}x", "prompt", p_o / p_s.max(1e-9));
-    println!("{:<12} {g_o:>12.1} {g_s:>12.1} {:>11.2}x", "generation", g_o / g_s.max(1e-9));
+    println!(
+        "{:<12} {p_o:>12.1} {p_s:>12.1} {:>11.2}x",
+        "prompt",
+        p_o / p_s.max(1e-9)
+    );
+    println!(
+        "{:<12} {g_o:>12.1} {g_s:>12.1} {:>11.2}x",
+        "generation",
+        g_o / g_s.max(1e-9)
+    );
     match first_difference(&ours.tokens, &stock.tokens) {
         None => println!("generated tokens: identical ({} tokens)", ours.tokens.len()),
         Some(i) => println!(
@@ -254,9 +341,14 @@ fn main() -> Result<()> {
     let s = common::load(&args.model)?;
     println!("{}", common::describe(&s)?);
     if args.compare && args.temperature > 0.0 {
-        eprintln!("--compare runs both models greedily: --temperature {} ignored", args.temperature);
+        eprintln!(
+            "--compare runs both models greedily: --temperature {} ignored",
+            args.temperature
+        );
     }
-    let max_ctx = args.max_context.unwrap_or(s.loaded.config.max_position_embeddings.min(4096));
+    let max_ctx = args
+        .max_context
+        .unwrap_or(s.loaded.config.max_position_embeddings.min(4096));
     let prompt = prompt_ids(&s.loaded, &s.source, &args.prompt, !args.no_chat_template)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens")

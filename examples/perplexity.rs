@@ -36,7 +36,9 @@ use std::time::Instant;
 use tokenizers::Tokenizer;
 
 #[derive(Parser, Debug)]
-#[command(about = "Perplexity of a text file under candle-lowbit's Llama (optionally against stock candle)")]
+#[command(
+    about = "Perplexity of a text file under candle-lowbit's Llama (optionally against stock candle)"
+)]
 struct Args {
     #[command(flatten)]
     model: common::ModelArgs,
@@ -78,8 +80,14 @@ struct Args {
 }
 
 fn parse_range(s: &str) -> std::result::Result<std::ops::Range<usize>, String> {
-    let (a, b) = s.split_once("..").ok_or_else(|| format!("expected A..B, got {s:?}"))?;
-    let parse = |t: &str| t.trim().parse::<usize>().map_err(|_| format!("expected A..B with numbers, got {s:?}"));
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("expected A..B, got {s:?}"))?;
+    let parse = |t: &str| {
+        t.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("expected A..B with numbers, got {s:?}"))
+    };
     let (a, b) = (parse(a)?, parse(b)?);
     if a >= b {
         return Err(format!("empty window range {a}..{b}"));
@@ -120,7 +128,11 @@ fn windows(n: usize, ctx: usize, stride: usize) -> Vec<Window> {
         let len = end - begin;
         if len >= 2 {
             let first_target = len.saturating_sub(end - prev_end).max(1);
-            out.push(Window { begin, len, first_target });
+            out.push(Window {
+                begin,
+                len,
+                first_target,
+            });
         }
         if end == n {
             return out;
@@ -132,12 +144,16 @@ fn windows(n: usize, ctx: usize, stride: usize) -> Vec<Window> {
 
 /// Runs of up to `batch` consecutive windows of equal length.
 fn batches(windows: &[Window], batch: usize) -> Vec<&[Window]> {
-    windows.chunk_by(|a, b| a.len == b.len).flat_map(|run| run.chunks(batch)).collect()
+    windows
+        .chunk_by(|a, b| a.len == b.len)
+        .flat_map(|run| run.chunks(batch))
+        .collect()
 }
 
 /// The text to score; an empty (or whitespace-only) file is an error.
 fn read_text(path: &Path) -> Result<String> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read text file {}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read text file {}", path.display()))?;
     if text.trim().is_empty() {
         bail!("text file {} is empty", path.display())
     }
@@ -145,20 +161,34 @@ fn read_text(path: &Path) -> Result<String> {
 }
 
 /// The whole text's token ids (no special tokens), cut to `max_tokens`; at least 2.
-fn tokenize(text: String, path: &Path, tok: &Tokenizer, max_tokens: Option<usize>) -> Result<Vec<u32>> {
-    let mut ids = tok.encode(text, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+fn tokenize(
+    text: String,
+    path: &Path,
+    tok: &Tokenizer,
+    max_tokens: Option<usize>,
+) -> Result<Vec<u32>> {
+    let mut ids = tok
+        .encode(text, false)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec();
     if let Some(m) = max_tokens {
         ids.truncate(m);
     }
     if ids.len() < 2 {
-        bail!("{} gives {} token(s) (after --max-tokens); perplexity needs at least 2", path.display(), ids.len())
+        bail!(
+            "{} gives {} token(s) (after --max-tokens); perplexity needs at least 2",
+            path.display(),
+            ids.len()
+        )
     }
     Ok(ids)
 }
 
 fn progress(len: usize, what: &str, label: &str) -> Result<ProgressBar> {
     let pb = ProgressBar::new(len as u64);
-    let template = format!("{{msg:>5}} [{{bar:40}}] {{pos}}/{{len}} {what} {{elapsed}} (eta {{eta}})");
+    let template =
+        format!("{{msg:>5}} [{{bar:40}}] {{pos}}/{{len}} {what} {{elapsed}} (eta {{eta}})");
     pb.set_style(ProgressStyle::with_template(&template)?.progress_chars("=> "));
     pb.set_message(label.to_string());
     Ok(pb)
@@ -167,32 +197,53 @@ fn progress(len: usize, what: &str, label: &str) -> Result<ProgressBar> {
 /// Sum of `-log p(target)` over rows of `logits` `[rows, vocab]` (f32), in f64.
 fn nll_rows(logits: &Tensor, targets: &[u32]) -> Result<Vec<f64>> {
     let idx = Tensor::new(targets, logits.device())?.unsqueeze(1)?;
-    let picked = log_softmax(logits, D::Minus1)?.gather(&idx, 1)?.squeeze(1)?;
-    Ok(picked.to_vec1::<f32>()?.into_iter().map(|x| -(x as f64)).collect())
+    let picked = log_softmax(logits, D::Minus1)?
+        .gather(&idx, 1)?
+        .squeeze(1)?;
+    Ok(picked
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|x| -(x as f64))
+        .collect())
 }
 
 /// Negative log-likelihood of one window's targets from its logits `[len, vocab]`.
 fn window_nll(logits: &Tensor, tokens: &[u32], w: &Window) -> Result<f64> {
     let n = w.len - w.first_target;
     let targets = &tokens[w.begin + w.first_target..w.begin + w.len];
-    Ok(nll_rows(&logits.narrow(0, w.first_target - 1, n)?, targets)?.iter().sum())
+    Ok(
+        nll_rows(&logits.narrow(0, w.first_target - 1, n)?, targets)?
+            .iter()
+            .sum(),
+    )
 }
 
 /// `[b, len]` token ids of a batch of equal-length windows.
 fn batch_ids(tokens: &[u32], batch: &[Window], device: &Device) -> Result<Tensor> {
     let len = batch[0].len;
-    let ids: Vec<u32> = batch.iter().flat_map(|w| tokens[w.begin..w.begin + len].iter().copied()).collect();
+    let ids: Vec<u32> = batch
+        .iter()
+        .flat_map(|w| tokens[w.begin..w.begin + len].iter().copied())
+        .collect();
     Ok(Tensor::from_vec(ids, (batch.len(), len), device)?)
 }
 
 /// Our model: one `forward_all` per batch.
-fn score_ours(s: &common::Session, cache: &mut Cache, tokens: &[u32], batches: &[&[Window]]) -> Result<Score> {
+fn score_ours(
+    s: &common::Session,
+    cache: &mut Cache,
+    tokens: &[u32],
+    batches: &[&[Window]],
+) -> Result<Score> {
     let pb = progress(batches.iter().map(|b| b.len()).sum(), "windows", "ours")?;
     let start = Instant::now();
     let (mut nll, mut scored) = (0f64, 0usize);
     for batch in batches {
         cache.clear();
-        let logits = s.loaded.model.forward_all(&batch_ids(tokens, batch, &s.device)?, 0, cache)?;
+        let logits = s
+            .loaded
+            .model
+            .forward_all(&batch_ids(tokens, batch, &s.device)?, 0, cache)?;
         for (i, w) in batch.iter().enumerate() {
             nll += window_nll(&logits.get(i)?, tokens, w)?;
             scored += w.len - w.first_target;
@@ -201,7 +252,11 @@ fn score_ours(s: &common::Session, cache: &mut Cache, tokens: &[u32], batches: &
     }
     s.device.synchronize()?;
     pb.finish_and_clear();
-    Ok(Score { nll, tokens: scored, secs: start.elapsed().as_secs_f64() })
+    Ok(Score {
+        nll,
+        tokens: scored,
+        secs: start.elapsed().as_secs_f64(),
+    })
 }
 
 /// Stock candle: step `t` feeds token `t` of every window of the batch at position `t` and
@@ -232,7 +287,11 @@ fn score_stock(s: &common::Session, tokens: &[u32], batches: &[&[Window]]) -> Re
     }
     s.device.synchronize()?;
     pb.finish_and_clear();
-    Ok(Score { nll, tokens: scored, secs: start.elapsed().as_secs_f64() })
+    Ok(Score {
+        nll,
+        tokens: scored,
+        secs: start.elapsed().as_secs_f64(),
+    })
 }
 
 fn print_human(s: &common::Session, ours: &Score, stock: Option<&Score>) {
@@ -253,7 +312,10 @@ fn print_human(s: &common::Session, ours: &Score, stock: Option<&Score>) {
             common::stock_name(&s.source, s.dtype)
         );
         let rel = (ours.ppl() - st.ppl()).abs() / st.ppl() * 100.0;
-        println!("|ours - stock| / stock = {rel:.4} %   speed ours/stock = {:.2}x", st.secs / ours.secs.max(1e-9));
+        println!(
+            "|ours - stock| / stock = {rel:.4} %   speed ours/stock = {:.2}x",
+            st.secs / ours.secs.max(1e-9)
+        );
     }
 }
 
@@ -301,7 +363,9 @@ fn print_json(
 /// Whether the model was calibrated on the very text being scored (then the perplexity is
 /// in-sample, and every table must say so).
 fn in_sample(s: &common::Session, text: &Path) -> bool {
-    let Some(c) = &s.loaded.calibration else { return false };
+    let Some(c) = &s.loaded.calibration else {
+        return false;
+    };
     std::fs::read(text).is_ok_and(|b| candle_lowbit::checkpoint::sha256_hex(&b) == c.sha256)
 }
 
@@ -340,7 +404,13 @@ fn main() -> Result<()> {
     let all = windows(tokens.len(), args.ctx, stride);
     let part = args.windows.clone().unwrap_or(0..all.len());
     if part.end > all.len() {
-        bail!("--windows {}..{}: the text has {} windows of {} tokens", part.start, part.end, all.len(), args.ctx)
+        bail!(
+            "--windows {}..{}: the text has {} windows of {} tokens",
+            part.start,
+            part.end,
+            all.len(),
+            args.ctx
+        )
     }
     let ws = &all[part.clone()];
     let bs = batches(ws, args.batch);
@@ -354,12 +424,20 @@ fn main() -> Result<()> {
         bs.len()
     );
     if args.ctx > s.loaded.config.max_position_embeddings {
-        eprintln!("warning: --ctx {} exceeds the model's {} positions", args.ctx, s.loaded.config.max_position_embeddings);
+        eprintln!(
+            "warning: --ctx {} exceeds the model's {} positions",
+            args.ctx, s.loaded.config.max_position_embeddings
+        );
     }
-    let mut cache = Cache::with_capacity(args.ctx, s.kv_cache, s.dtype, &s.loaded.config, &s.device)?;
+    let mut cache =
+        Cache::with_capacity(args.ctx, s.kv_cache, s.dtype, &s.loaded.config, &s.device)?;
     let ours = score_ours(&s, &mut cache, &tokens, &bs)?;
     drop(cache);
-    let stock = if args.compare { Some(score_stock(&s, &tokens, &bs)?) } else { None };
+    let stock = if args.compare {
+        Some(score_stock(&s, &tokens, &bs)?)
+    } else {
+        None
+    };
     if args.json {
         print_json(&s, &args, stride, (part, all.len()), &ours, stock.as_ref())
     } else {

@@ -42,9 +42,11 @@ fn main() -> Result<()> {
     let Some(format) = args.model.quant else {
         bail!("--quant FORMAT is required (--list-formats lists them)")
     };
-    if let ModelSource::Checkpoint(_) =
-        ModelSource::resolve(args.model.model.as_deref(), args.model.model_id.as_deref(), &args.model.revision)?
-    {
+    if let ModelSource::Checkpoint(_) = ModelSource::resolve(
+        args.model.model.as_deref(),
+        args.model.model_id.as_deref(),
+        &args.model.revision,
+    )? {
         bail!("--model is already a candle-lowbit checkpoint: quantize the model it was made from")
     }
     let s = common::load(&args.model)?;
@@ -78,15 +80,25 @@ fn verify(s: &common::Session, dir: &std::path::Path) -> Result<()> {
     let (back, _) = checkpoint::load(dir, &s.loaded.config, s.dtype, &s.device)?;
     s.device.synchronize()?;
     let secs = t0.elapsed().as_secs_f64();
-    let ids = s.loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.", false).map_err(anyhow::Error::msg)?;
+    let ids = s
+        .loaded
+        .tokenizer
+        .encode("The quick brown fox jumps over the lazy dog.", false)
+        .map_err(anyhow::Error::msg)?;
     let ids = Tensor::new(ids.get_ids(), &s.device)?.unsqueeze(0)?;
     let logits = |m: &candle_lowbit::Llama| -> Result<Vec<f32>> {
         let mut cache = Cache::with_capacity(64, s.kv_cache, s.dtype, &s.loaded.config, &s.device)?;
-        Ok(m.forward(&ids, 0, &mut cache)?.flatten_all()?.to_vec1::<f32>()?)
+        Ok(m.forward(&ids, 0, &mut cache)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     };
     let (a, b) = (logits(&s.loaded.model)?, logits(&back)?);
     if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
-        bail!("the reloaded checkpoint differs: logit {i} is {} in memory, {} reloaded", a[i], b[i])
+        bail!(
+            "the reloaded checkpoint differs: logit {i} is {} in memory, {} reloaded",
+            a[i],
+            b[i]
+        )
     }
     println!("reloaded in {secs:.2}s: logits bit-identical to the model in memory");
     Ok(())

@@ -11,38 +11,23 @@
 //!   [`Cache::set_left_padding`]; masks and RoPE positions then skip the padding.
 
 use crate::formats::{Activation, InputEncoding, WeightFormat};
-use crate::kv_cache::{causal_mask, KvCache, KvFormat};
+use crate::kv_cache::{causal_mask, KvCache};
 use crate::linear::QLinear;
 use crate::ops::{add_rms_norm_as, embed_gather, rms_norm_as, Heads, StepPositions};
-use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
+use candle_core::{DType, IndexOp, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
-pub use candle_transformers::models::llama::{Config, Llama3RopeConfig, Llama3RopeType, LlamaConfig, LlamaEosToks};
+#[path = "cache.rs"]
+mod cache;
+#[path = "parts.rs"]
+mod parts;
 
-/// Inverse RoPE frequencies for `head_dim`, with Llama-3 scaling where configured
-/// (the same formula as `candle_transformers::models::llama`).
-fn inv_freqs(cfg: &Config, head_dim: usize) -> Vec<f32> {
-    let base: Vec<f32> =
-        (0..head_dim).step_by(2).map(|i| 1f32 / cfg.rope_theta.powf(i as f32 / head_dim as f32)).collect();
-    let Some(rs) = cfg.rope_scaling.as_ref().filter(|r| matches!(r.rope_type, Llama3RopeType::Llama3)) else {
-        return base;
-    };
-    let orig = rs.original_max_position_embeddings as f32;
-    let (low_wl, high_wl) = (orig / rs.low_freq_factor, orig / rs.high_freq_factor);
-    base.into_iter()
-        .map(|freq| {
-            let wavelen = 2. * std::f32::consts::PI / freq;
-            if wavelen < high_wl {
-                freq
-            } else if wavelen > low_wl {
-                freq / rs.factor
-            } else {
-                let smooth = (orig / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor);
-                (1. - smooth) * freq / rs.factor + smooth * freq
-            }
-        })
-        .collect()
-}
+pub use cache::Cache;
+pub use parts::{NoObserver, Observer, Slot, WeightSource};
+
+pub use candle_transformers::models::llama::{
+    Config, Llama3RopeConfig, Llama3RopeType, LlamaConfig, LlamaEosToks,
+};
 
 /// Every tensor a HF Llama checkpoint holds for `cfg` (name, shape), in load order:
 /// the layout `Llama::load` reads. Tests and benches build random models from it.
@@ -74,245 +59,6 @@ pub fn tensor_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
     out
 }
 
-/// Per-model state across calls: the KV caches, RoPE tables and the left padding.
-#[derive(Debug, Clone)]
-pub struct Cache {
-    kvs: Vec<KvCache>,
-    /// RoPE tables in the run dtype (for candle's `rope` on prefill queries)...
-    cos: Tensor,
-    sin: Tensor,
-    /// ...and in f32 for the fused kernels, `[max_len, hd/2]`.
-    cos32: Tensor,
-    sin32: Tensor,
-    pads: Vec<usize>,
-    /// `pads` on the device (u32 `[b]`), rebuilt when the batch or padding changes.
-    pads_dev: Option<Tensor>,
-    max_len: usize,
-    device: Device,
-    /// Bumped whenever storage a captured graph points at may have changed.
-    pub(crate) generation: u64,
-}
-
-impl Cache {
-    /// A dense cache holding up to `cfg.max_position_embeddings` tokens per sequence.
-    pub fn new(dtype: DType, cfg: &Config, device: &Device) -> Result<Self> {
-        Self::with_capacity(cfg.max_position_embeddings, KvFormat::Dense, dtype, cfg, device)
-    }
-
-    /// A cache of `max_len` tokens per sequence in KV format `format`. Storage is
-    /// allocated on the first forward call, for its batch size.
-    pub fn with_capacity(max_len: usize, format: KvFormat, dtype: DType, cfg: &Config, device: &Device) -> Result<Self> {
-        if cfg.num_attention_heads == 0 || cfg.hidden_size % cfg.num_attention_heads != 0 {
-            candle_core::bail!("config: hidden_size {} not divisible by {} heads", cfg.hidden_size, cfg.num_attention_heads)
-        }
-        let hd = cfg.hidden_size / cfg.num_attention_heads;
-        let freqs = inv_freqs(cfg, hd);
-        let n_pos = max_len.max(1);
-        let t = Tensor::arange(0u32, n_pos as u32, device)?.to_dtype(DType::F32)?.reshape((n_pos, 1))?;
-        let idx_theta = t.matmul(&Tensor::new(freqs.as_slice(), device)?.reshape((1, hd / 2))?)?;
-        let heads = Heads { nh: cfg.num_attention_heads, nkv: cfg.num_key_value_heads, hd };
-        let kvs = (0..cfg.num_hidden_layers).map(|_| KvCache::new(format, heads, max_len, dtype, device)).collect();
-        let (cos32, sin32) = (idx_theta.cos()?, idx_theta.sin()?);
-        Ok(Self {
-            kvs,
-            cos: cos32.to_dtype(dtype)?,
-            sin: sin32.to_dtype(dtype)?,
-            cos32,
-            sin32,
-            pads: vec![],
-            pads_dev: None,
-            max_len,
-            device: device.clone(),
-            generation: 0,
-        })
-    }
-
-    /// Tokens each sequence can hold.
-    pub fn max_len(&self) -> usize {
-        self.max_len
-    }
-
-    /// Left padding per sequence for the next prefill (from position 0); empty = none.
-    pub fn set_left_padding(&mut self, pads: &[usize]) {
-        self.pads = pads.to_vec();
-        self.pads_dev = None;
-    }
-
-    /// Device bytes held by all layers' caches.
-    pub fn bytes(&self) -> usize {
-        self.kvs.iter().map(KvCache::bytes).sum()
-    }
-
-    /// Forget everything (the next forward must start at position 0).
-    pub fn clear(&mut self) {
-        self.kvs.iter_mut().for_each(KvCache::clear);
-        self.pads.clear();
-        self.pads_dev = None;
-        self.generation += 1;
-    }
-
-    /// Positions for a step at device position `pos` (u32 `[1]`) over batch `pads.len()`,
-    /// with the device copy of the padding (rebuilt only when it changes).
-    fn step_positions(&mut self, pads: &[usize], pos: Tensor) -> Result<StepPositions> {
-        let stale = self.pads_dev.as_ref().is_none_or(|t| t.elem_count() != pads.len());
-        if stale {
-            let v: Vec<u32> = pads.iter().map(|&p| p as u32).collect();
-            self.pads_dev = Some(Tensor::new(v, &self.device)?);
-            self.generation += 1;
-        }
-        let Some(pads_dev) = self.pads_dev.clone() else { candle_core::bail!("pads not set") };
-        Ok(StepPositions { cos: self.cos32.clone(), sin: self.sin32.clone(), pos, pads: pads_dev })
-    }
-
-    /// Check that this cache fits a model of `layers` layers and `end` tokens.
-    pub(crate) fn check(&self, layers: usize, end: usize) -> Result<()> {
-        if end > self.max_len {
-            candle_core::bail!("forward: positions up to {end} exceed the context of {} tokens", self.max_len)
-        }
-        if self.kvs.len() != layers {
-            candle_core::bail!("cache has {} layers, model {layers}", self.kvs.len())
-        }
-        Ok(())
-    }
-
-    /// The batch size the caches hold (0 before the first forward).
-    pub fn batch(&self) -> usize {
-        self.kvs.first().map(KvCache::batch).unwrap_or(0)
-    }
-
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    fn pads_for(&self, b: usize) -> Result<Vec<usize>> {
-        match self.pads.len() {
-            0 => Ok(vec![0; b]),
-            n if n == b => Ok(self.pads.clone()),
-            n => candle_core::bail!("left padding given for {n} sequences but the batch has {b}"),
-        }
-    }
-
-    /// `(cos, sin)` for queries at `pos..pos+seq`: `[seq, hd/2]` without padding,
-    /// `[b, seq, hd/2]` with it.
-    fn rope_tables(&self, pads: &[usize], pos: usize, seq: usize) -> Result<(Tensor, Tensor)> {
-        if pads.iter().all(|&p| p == 0) {
-            return Ok((self.cos.narrow(0, pos, seq)?, self.sin.narrow(0, pos, seq)?));
-        }
-        let ids: Vec<u32> =
-            pads.iter().flat_map(|&pad| (pos..pos + seq).map(move |p| p.saturating_sub(pad) as u32)).collect();
-        let ids = Tensor::new(ids, &self.device)?;
-        let hd2 = self.cos.dim(1)?;
-        let cos = self.cos.index_select(&ids, 0)?.reshape((pads.len(), seq, hd2))?;
-        let sin = self.sin.index_select(&ids, 0)?.reshape((pads.len(), seq, hd2))?;
-        Ok((cos, sin))
-    }
-}
-
-/// The linear layers of a block, in forward order. Each is one [`QLinear`], stacked from
-/// its HF-named parts along the output rows (QKV: q, k, v; gate/up: gate, up).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Slot {
-    Qkv,
-    O,
-    GateUp,
-    Down,
-}
-
-impl Slot {
-    pub const ALL: [Self; 4] = [Self::Qkv, Self::O, Self::GateUp, Self::Down];
-
-    /// The HF names of the parts under `model.layers.{layer}.`, with their rows, for `cfg`.
-    pub fn parts(&self, cfg: &Config, layer: usize) -> Vec<(String, usize)> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let hd = h / cfg.num_attention_heads.max(1);
-        let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
-        let names: &[(&str, usize)] = match self {
-            Self::Qkv => &[("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
-            Self::O => &[("self_attn.o_proj", h)],
-            Self::GateUp => &[("mlp.gate_proj", i), ("mlp.up_proj", i)],
-            Self::Down => &[("mlp.down_proj", h)],
-        };
-        names.iter().map(|(n, r)| (format!("model.layers.{layer}.{n}"), *r)).collect()
-    }
-
-    /// The layer's input width.
-    pub fn in_dim(&self, cfg: &Config) -> usize {
-        let hd = cfg.hidden_size / cfg.num_attention_heads.max(1);
-        match self {
-            Self::Qkv | Self::GateUp => cfg.hidden_size,
-            Self::O => cfg.num_attention_heads * hd,
-            Self::Down => cfg.intermediate_size,
-        }
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Qkv => "qkv",
-            Self::O => "o",
-            Self::GateUp => "gate_up",
-            Self::Down => "down",
-        }
-    }
-}
-
-/// Where [`Llama::load_from`] gets its weights: a dense `VarBuilder`, or a quantized
-/// checkpoint ([`crate::checkpoint`]).
-pub trait WeightSource {
-    /// A dense tensor (embedding, norms) by HF name, of `dims`.
-    fn tensor(&self, name: &str, dims: &[usize]) -> Result<Tensor>;
-    /// One linear layer stacked from HF-named parts `(name, rows)` along the output rows,
-    /// each `[rows, in_dim]`.
-    fn linear(&self, parts: &[(String, usize)], in_dim: usize) -> Result<QLinear>;
-    /// The output head `[vocab, hidden]`; with tied embeddings a dense source reuses `embed`.
-    fn lm_head(&self, cfg: &Config, embed: &Tensor) -> Result<QLinear> {
-        if cfg.tie_word_embeddings {
-            QLinear::from_weight(embed.clone(), None)
-        } else {
-            self.linear(&[("lm_head".to_string(), cfg.vocab_size)], cfg.hidden_size)
-        }
-    }
-}
-
-impl WeightSource for VarBuilder<'_> {
-    fn tensor(&self, name: &str, dims: &[usize]) -> Result<Tensor> {
-        self.get(dims, name)
-    }
-
-    fn linear(&self, parts: &[(String, usize)], in_dim: usize) -> Result<QLinear> {
-        let ws = parts
-            .iter()
-            .map(|(name, rows)| self.get((*rows, in_dim), &format!("{name}.weight")))
-            .collect::<Result<Vec<_>>>()?;
-        let w = if ws.len() == 1 { ws[0].clone() } else { Tensor::cat(&ws, 0)? };
-        QLinear::from_weight(w, None)
-    }
-}
-
-/// What calibration sees of a forward pass ([`Llama::block_prefill`] calls it; every method
-/// defaults to doing nothing).
-pub trait Observer {
-    /// The input `x` `[.., in]` (dense) of linear layer `slot` of block `layer`.
-    fn linear_input(&mut self, layer: usize, slot: Slot, x: &Tensor) -> Result<()> {
-        let _ = (layer, slot, x);
-        Ok(())
-    }
-    /// Whether [`Observer::kv`] wants to be called (the model then computes K after RoPE
-    /// for it).
-    fn wants_kv(&self) -> bool {
-        false
-    }
-    /// Keys before and after RoPE and values of block `layer`, each `[b, seq, nkv · hd]`.
-    fn kv(&mut self, layer: usize, k_pre: &Tensor, k_post: &Tensor, v: &Tensor) -> Result<()> {
-        let _ = (layer, k_pre, k_post, v);
-        Ok(())
-    }
-}
-
-/// An observer that observes nothing.
-pub struct NoObserver;
-
-impl Observer for NoObserver {}
-
 #[derive(Debug, Clone)]
 struct Attention {
     qkv: QLinear,
@@ -334,11 +80,21 @@ struct StepCtx<'a> {
 
 impl Attention {
     fn heads(&self) -> Heads {
-        Heads { nh: self.n_h, nkv: self.n_kv, hd: self.hd }
+        Heads {
+            nh: self.n_h,
+            nkv: self.n_kv,
+            hd: self.hd,
+        }
     }
 
     /// Tell `obs` this step's keys (before and after RoPE) and values.
-    fn observe_kv(&self, qkv: &Tensor, ctx: &StepCtx, layer: usize, obs: &mut dyn Observer) -> Result<()> {
+    fn observe_kv(
+        &self,
+        qkv: &Tensor,
+        ctx: &StepCtx,
+        layer: usize,
+        obs: &mut dyn Observer,
+    ) -> Result<()> {
         if !obs.wants_kv() {
             return Ok(());
         }
@@ -346,15 +102,27 @@ impl Attention {
         let (n_h, n_kv, hd) = (self.n_h, self.n_kv, self.hd);
         let k = qkv.narrow(2, n_h * hd, n_kv * hd)?;
         let v = qkv.narrow(2, (n_h + n_kv) * hd, n_kv * hd)?;
-        let kr = k.reshape((b, seq, n_kv, hd))?.transpose(1, 2)?.contiguous()?;
-        let kr = candle_nn::rotary_emb::rope(&kr, ctx.cos, ctx.sin)?.transpose(1, 2)?.reshape((b, seq, n_kv * hd))?;
+        let kr = k
+            .reshape((b, seq, n_kv, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let kr = candle_nn::rotary_emb::rope(&kr, ctx.cos, ctx.sin)?
+            .transpose(1, 2)?
+            .reshape((b, seq, n_kv * hd))?;
         obs.kv(layer, &k, &kr, &v)
     }
 
     /// One token per sequence: the fused append + decode attention (one launch on CUDA).
     /// Prompts: the fused append (RoPE on K, K and V into the cache), then candle ops over
     /// the cache.
-    fn forward(&self, x: &Activation, kv: &mut KvCache, ctx: &StepCtx, layer: usize, obs: &mut dyn Observer) -> Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Activation,
+        kv: &mut KvCache,
+        ctx: &StepCtx,
+        layer: usize,
+        obs: &mut dyn Observer,
+    ) -> Result<Tensor> {
         let (b, seq, _) = x.dense()?.dims3()?;
         let (n_h, hd) = (self.n_h, self.hd);
         obs.linear_input(layer, Slot::Qkv, x.dense()?)?;
@@ -364,7 +132,11 @@ impl Attention {
             kv.append_attend_decode(&qkv, ctx.pos, ctx.dev)?
         } else {
             kv.append(&qkv, ctx.pos, ctx.dev)?;
-            let q = qkv.narrow(2, 0, n_h * hd)?.reshape((b, seq, n_h, hd))?.transpose(1, 2)?.contiguous()?;
+            let q = qkv
+                .narrow(2, 0, n_h * hd)?
+                .reshape((b, seq, n_h, hd))?
+                .transpose(1, 2)?
+                .contiguous()?;
             let q = candle_nn::rotary_emb::rope(&q, ctx.cos, ctx.sin)?;
             let y = kv.attend(&q, ctx.pos + seq, ctx.mask)?;
             y.transpose(1, 2)?.reshape((b, seq, n_h * hd))?
@@ -400,14 +172,27 @@ struct Block {
 
 impl Block {
     fn load(src: &dyn WeightSource, cfg: &Config, layer: usize) -> Result<Self> {
-        let (h, n_h, n_kv) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads);
+        let (h, n_h, n_kv) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        );
         let lin = |s: Slot| src.linear(&s.parts(cfg, layer), s.in_dim(cfg));
         let p = format!("model.layers.{layer}");
         Ok(Self {
             attn_norm: src.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
-            attn: Attention { qkv: lin(Slot::Qkv)?, o: lin(Slot::O)?, n_h, n_kv, hd: h / n_h },
+            attn: Attention {
+                qkv: lin(Slot::Qkv)?,
+                o: lin(Slot::O)?,
+                n_h,
+                n_kv,
+                hd: h / n_h,
+            },
             mlp_norm: src.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-            mlp: Mlp { gate_up: lin(Slot::GateUp)?, down: lin(Slot::Down)? },
+            mlp: Mlp {
+                gate_up: lin(Slot::GateUp)?,
+                down: lin(Slot::Down)?,
+            },
         })
     }
 
@@ -442,7 +227,13 @@ impl Block {
         obs: &mut dyn Observer,
     ) -> Result<(Tensor, Activation)> {
         let a = self.attn.forward(xn, kv, ctx, layer, obs)?;
-        let (res, xn) = add_rms_norm_as(&a, res, &self.mlp_norm, eps, self.mlp.gate_up.input_encoding())?;
+        let (res, xn) = add_rms_norm_as(
+            &a,
+            res,
+            &self.mlp_norm,
+            eps,
+            self.mlp.gate_up.input_encoding(),
+        )?;
         let m = self.mlp.forward(&xn, layer, obs)?;
         add_rms_norm_as(&m, &res, next.0, eps, next.1)
     }
@@ -469,10 +260,17 @@ impl Llama {
     /// Load from any [`WeightSource`] (a `VarBuilder`, a quantized checkpoint).
     pub fn load_from(src: &dyn WeightSource, cfg: &Config) -> Result<Self> {
         let h = cfg.hidden_size;
-        if cfg.num_attention_heads == 0 || h % cfg.num_attention_heads != 0 {
-            candle_core::bail!("config: hidden_size {h} not divisible by {} heads", cfg.num_attention_heads)
+        if cfg.num_attention_heads == 0 || !h.is_multiple_of(cfg.num_attention_heads) {
+            candle_core::bail!(
+                "config: hidden_size {h} not divisible by {} heads",
+                cfg.num_attention_heads
+            )
         }
-        if cfg.num_key_value_heads == 0 || cfg.num_attention_heads % cfg.num_key_value_heads != 0 {
+        if cfg.num_key_value_heads == 0
+            || !cfg
+                .num_attention_heads
+                .is_multiple_of(cfg.num_key_value_heads)
+        {
             candle_core::bail!(
                 "config: {} attention heads not a multiple of {} kv heads",
                 cfg.num_attention_heads,
@@ -481,9 +279,18 @@ impl Llama {
         }
         let embed = src.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let lm_head = src.lm_head(cfg, &embed)?;
-        let blocks = (0..cfg.num_hidden_layers).map(|i| Block::load(src, cfg, i)).collect::<Result<Vec<_>>>()?;
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| Block::load(src, cfg, i))
+            .collect::<Result<Vec<_>>>()?;
         let norm = src.tensor("model.norm.weight", &[h])?;
-        Ok(Self { embed, blocks, norm, lm_head, eps: cfg.rms_norm_eps as f32, hidden: h })
+        Ok(Self {
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            eps: cfg.rms_norm_eps as f32,
+            hidden: h,
+        })
     }
 
     pub fn num_layers(&self) -> usize {
@@ -501,10 +308,17 @@ impl Llama {
     /// Replace linear layer `slot` of block `layer` (same shape).
     pub fn set_linear(&mut self, layer: usize, slot: Slot, l: QLinear) -> Result<()> {
         let n = self.blocks.len();
-        let Some(b) = self.blocks.get_mut(layer) else { candle_core::bail!("layer {layer} out of range ({n} layers)") };
+        let Some(b) = self.blocks.get_mut(layer) else {
+            candle_core::bail!("layer {layer} out of range ({n} layers)")
+        };
         let cur = b.linear_mut(slot);
         if cur.shape() != l.shape() {
-            candle_core::bail!("layer {layer} {}: new weight {:?} for a {:?} layer", slot.name(), l.shape(), cur.shape())
+            candle_core::bail!(
+                "layer {layer} {}: new weight {:?} for a {:?} layer",
+                slot.name(),
+                l.shape(),
+                cur.shape()
+            )
         }
         *cur = l;
         Ok(())
@@ -516,7 +330,11 @@ impl Llama {
 
     pub fn set_lm_head(&mut self, l: QLinear) -> Result<()> {
         if l.shape() != self.lm_head.shape() {
-            candle_core::bail!("lm_head: new weight {:?} for a {:?} head", l.shape(), self.lm_head.shape())
+            candle_core::bail!(
+                "lm_head: new weight {:?} for a {:?} head",
+                l.shape(),
+                self.lm_head.shape()
+            )
         }
         self.lm_head = l;
         Ok(())
@@ -526,8 +344,14 @@ impl Llama {
     pub fn dense_tensors(&self) -> Vec<(String, Tensor)> {
         let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed.clone())];
         for (i, b) in self.blocks.iter().enumerate() {
-            v.push((format!("model.layers.{i}.input_layernorm.weight"), b.attn_norm.clone()));
-            v.push((format!("model.layers.{i}.post_attention_layernorm.weight"), b.mlp_norm.clone()));
+            v.push((
+                format!("model.layers.{i}.input_layernorm.weight"),
+                b.attn_norm.clone(),
+            ));
+            v.push((
+                format!("model.layers.{i}.post_attention_layernorm.weight"),
+                b.mlp_norm.clone(),
+            ));
         }
         v.push(("model.norm.weight".to_string(), self.norm.clone()));
         v
@@ -537,7 +361,12 @@ impl Llama {
     pub fn linears_mut(&mut self) -> Vec<&mut QLinear> {
         let mut v = Vec::with_capacity(self.blocks.len() * 4 + 1);
         for b in self.blocks.iter_mut() {
-            v.extend([&mut b.attn.qkv, &mut b.attn.o, &mut b.mlp.gate_up, &mut b.mlp.down]);
+            v.extend([
+                &mut b.attn.qkv,
+                &mut b.attn.o,
+                &mut b.mlp.gate_up,
+                &mut b.mlp.down,
+            ]);
         }
         v.push(&mut self.lm_head);
         v
@@ -545,8 +374,11 @@ impl Llama {
 
     /// Every linear layer, in the order of `linears_mut`.
     pub fn linears(&self) -> Vec<&QLinear> {
-        let mut v: Vec<&QLinear> =
-            self.blocks.iter().flat_map(|b| [&b.attn.qkv, &b.attn.o, &b.mlp.gate_up, &b.mlp.down]).collect();
+        let mut v: Vec<&QLinear> = self
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.attn.qkv, &b.attn.o, &b.mlp.gate_up, &b.mlp.down])
+            .collect();
         v.push(&self.lm_head);
         v
     }
@@ -596,8 +428,17 @@ impl Llama {
 
     /// Bytes of every weight the model holds (linear layers, embedding, norms).
     pub fn weight_bytes(&self) -> usize {
-        let dense: usize = self.dense_tensors().iter().map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes()).sum();
-        dense + self.linears().iter().map(|l| l.weight_bytes()).sum::<usize>()
+        let dense: usize = self
+            .dense_tensors()
+            .iter()
+            .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        dense
+            + self
+                .linears()
+                .iter()
+                .map(|l| l.weight_bytes())
+                .sum::<usize>()
     }
 
     /// The decode paths not taken, once per distinct reason: "`layers` `what`: `reason`"
@@ -616,11 +457,19 @@ impl Llama {
         if let Err(why) = &self.lm_head.plan().f32_out {
             add(format!("output head f32 logits by a cast: {why}"));
         }
-        notes.into_iter().map(|(n, c)| format!("{c} layer(s): {n}")).collect()
+        notes
+            .into_iter()
+            .map(|(n, c)| format!("{c} layer(s): {n}"))
+            .collect()
     }
 
     /// Hidden states after the final norm, `[b, seq, hidden]`.
-    fn hidden_states(&self, input_ids: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
+    fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
         let (b, seq) = input_ids.dims2()?;
         if seq == 0 {
             candle_core::bail!("forward: empty input (batch {b}, 0 tokens)")
@@ -636,8 +485,15 @@ impl Llama {
         } else {
             Some(causal_mask(&pads, index_pos, seq, input_ids.device())?)
         };
-        let dev = cache.step_positions(&pads, Tensor::new(&[index_pos as u32], input_ids.device())?)?;
-        let ctx = StepCtx { pos: index_pos, dev: &dev, cos: &cos, sin: &sin, mask: mask.as_ref() };
+        let dev =
+            cache.step_positions(&pads, Tensor::new(&[index_pos as u32], input_ids.device())?)?;
+        let ctx = StepCtx {
+            pos: index_pos,
+            dev: &dev,
+            cos: &cos,
+            sin: &sin,
+            mask: mask.as_ref(),
+        };
         let xn = self.layers(&input_ids.flatten_all()?, (b, seq), &ctx, &mut cache.kvs)?;
         Ok(xn.dense()?.clone())
     }
@@ -647,8 +503,15 @@ impl Llama {
     pub fn embed(&self, ids: &Tensor) -> Result<(Tensor, Activation)> {
         let (b, seq) = ids.dims2()?;
         let res = embed_gather(&self.embed, &ids.flatten_all()?)?.reshape((b, seq, self.hidden))?;
-        let Some(first) = self.blocks.first() else { candle_core::bail!("model has no layers") };
-        let xn = rms_norm_as(&res, &first.attn_norm, self.eps, first.attn.qkv.input_encoding())?;
+        let Some(first) = self.blocks.first() else {
+            candle_core::bail!("model has no layers")
+        };
+        let xn = rms_norm_as(
+            &res,
+            &first.attn_norm,
+            self.eps,
+            first.attn.qkv.input_encoding(),
+        )?;
         Ok((res, xn))
     }
 
@@ -661,10 +524,23 @@ impl Llama {
     }
 
     /// The transformer over token ids `[b * seq]`: embedding, every block, final norm.
-    fn layers(&self, ids: &Tensor, (b, seq): (usize, usize), ctx: &StepCtx, kvs: &mut [KvCache]) -> Result<Activation> {
+    fn layers(
+        &self,
+        ids: &Tensor,
+        (b, seq): (usize, usize),
+        ctx: &StepCtx,
+        kvs: &mut [KvCache],
+    ) -> Result<Activation> {
         let (mut res, mut xn) = self.embed(&ids.reshape((b, seq))?)?;
         for (i, (blk, kv)) in self.blocks.iter().zip(kvs.iter_mut()).enumerate() {
-            (res, xn) = blk.forward((&res, &xn), self.next_norm(i), kv, ctx, (i, self.eps), &mut NoObserver)?;
+            (res, xn) = blk.forward(
+                (&res, &xn),
+                self.next_norm(i),
+                kv,
+                ctx,
+                (i, self.eps),
+                &mut NoObserver,
+            )?;
         }
         Ok(xn)
     }
@@ -682,17 +558,32 @@ impl Llama {
         obs: &mut dyn Observer,
     ) -> Result<(Tensor, Activation)> {
         let (b, seq, _) = res.dims3()?;
-        let Some(blk) = self.blocks.get(layer) else { candle_core::bail!("layer {layer} out of range") };
+        let Some(blk) = self.blocks.get(layer) else {
+            candle_core::bail!("layer {layer} out of range")
+        };
         cache.check(self.blocks.len(), seq)?;
         cache.generation += 1;
         let pads = cache.pads_for(b)?;
         let (cos, sin) = cache.rope_tables(&pads, 0, seq)?;
         let mask = causal_mask(&pads, 0, seq, res.device())?;
         let dev = cache.step_positions(&pads, Tensor::new(&[0u32], res.device())?)?;
-        let ctx = StepCtx { pos: 0, dev: &dev, cos: &cos, sin: &sin, mask: Some(&mask) };
+        let ctx = StepCtx {
+            pos: 0,
+            dev: &dev,
+            cos: &cos,
+            sin: &sin,
+            mask: Some(&mask),
+        };
         let kv = &mut cache.kvs[layer];
         kv.clear();
-        blk.forward((res, xn), self.next_norm(layer), kv, &ctx, (layer, self.eps), obs)
+        blk.forward(
+            (res, xn),
+            self.next_norm(layer),
+            kv,
+            &ctx,
+            (layer, self.eps),
+            obs,
+        )
     }
 
     /// One decode step for the graph decoder: ids `[b]` and the position on the device;
@@ -714,10 +605,21 @@ impl Llama {
         let b = ids.dim(0)?;
         let pads = cache.pads_for(b)?;
         let dev = cache.step_positions(&pads, pos.clone())?;
-        let (cos, sin) = (cache.cos.narrow(0, host_pos, 1)?, cache.sin.narrow(0, host_pos, 1)?);
-        let ctx = StepCtx { pos: host_pos, dev: &dev, cos: &cos, sin: &sin, mask: None };
+        let (cos, sin) = (
+            cache.cos.narrow(0, host_pos, 1)?,
+            cache.sin.narrow(0, host_pos, 1)?,
+        );
+        let ctx = StepCtx {
+            pos: host_pos,
+            dev: &dev,
+            cos: &cos,
+            sin: &sin,
+            mask: None,
+        };
         let xn = self.layers(ids, (b, 1), &ctx, &mut cache.kvs)?;
-        let out = self.lm_head.forward_f32(&xn.dense()?.reshape((b, self.hidden))?)?;
+        let out = self
+            .lm_head
+            .forward_f32(&xn.dense()?.reshape((b, self.hidden))?)?;
         logits.slice_set(&out, 0, 0)?;
         crate::ops::advance_pos(pos, 1)
     }
@@ -727,7 +629,11 @@ impl Llama {
         if !self.blocks.iter().all(|b| b.attn.heads().fused_ok()) {
             return Err("an attention layer's geometry has no fused decode kernel".into());
         }
-        match self.linears().iter().find(|l| !l.format().spec().graph_safe) {
+        match self
+            .linears()
+            .iter()
+            .find(|l| !l.format().spec().graph_safe)
+        {
             Some(l) => Err(format!("{} layers upload host data per call", l.format())),
             None => Ok(()),
         }
@@ -739,7 +645,12 @@ impl Llama {
 
     /// Logits `[b, vocab]` (f32) of the last position of `input_ids` `[b, seq]` (u32), whose
     /// first token sits at position `index_pos` of the cache.
-    pub fn forward(&self, input_ids: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
         let xn = self.hidden_states(input_ids, index_pos, cache)?;
         let seq = xn.dim(1)?;
         let last = xn.i((.., seq - 1, ..))?.contiguous()?;
@@ -747,7 +658,12 @@ impl Llama {
     }
 
     /// Logits `[b, seq, vocab]` (f32) of every position (for perplexity).
-    pub fn forward_all(&self, input_ids: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
+    pub fn forward_all(
+        &self,
+        input_ids: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
         let xn = self.hidden_states(input_ids, index_pos, cache)?;
         self.lm_head.forward(&xn)?.to_dtype(DType::F32)
     }

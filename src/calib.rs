@@ -35,7 +35,12 @@ pub struct CalibConfig {
 impl Default for CalibConfig {
     /// 128 windows of 512 tokens, seed 0, 8 per pass: the defaults for small models.
     fn default() -> Self {
-        Self { samples: 128, len: 512, seed: 0, batch: 8 }
+        Self {
+            samples: 128,
+            len: 512,
+            seed: 0,
+            batch: 8,
+        }
     }
 }
 
@@ -43,10 +48,18 @@ impl Default for CalibConfig {
 pub fn windows(tokens: &[u32], cfg: &CalibConfig) -> Result<Vec<Vec<u32>>> {
     use rand::{Rng, SeedableRng};
     if cfg.samples == 0 || cfg.len == 0 {
-        candle_core::bail!("calibration: {} samples of {} tokens (both must be at least 1)", cfg.samples, cfg.len)
+        candle_core::bail!(
+            "calibration: {} samples of {} tokens (both must be at least 1)",
+            cfg.samples,
+            cfg.len
+        )
     }
     if tokens.len() < cfg.len {
-        candle_core::bail!("calibration text has {} tokens, fewer than one window of {}", tokens.len(), cfg.len)
+        candle_core::bail!(
+            "calibration text has {} tokens, fewer than one window of {}",
+            tokens.len(),
+            cfg.len
+        )
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
     Ok((0..cfg.samples)
@@ -132,7 +145,11 @@ pub fn quantile(sorted: &[f32], f: f64) -> f64 {
 }
 
 fn quantiles(t: &Tensor, fractions: &[f64]) -> Result<Vec<f64>> {
-    let mut v = t.to_dtype(DType::F32)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+    let mut v = t
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?;
     v.sort_unstable_by(f32::total_cmp);
     Ok(fractions.iter().map(|&f| quantile(&v, f)).collect())
 }
@@ -156,15 +173,25 @@ struct Collector {
 
 impl Collector {
     fn new(full: Vec<usize>, kv_fractions: Vec<f64>) -> Self {
-        let stats = Stats { inputs: HashMap::new(), kv: vec![], kv_fractions: kv_fractions.clone() };
-        Self { full, kv_fractions, stats }
+        let stats = Stats {
+            inputs: HashMap::new(),
+            kv: vec![],
+            kv_fractions: kv_fractions.clone(),
+        };
+        Self {
+            full,
+            kv_fractions,
+            stats,
+        }
     }
 }
 
 impl Observer for Collector {
     fn linear_input(&mut self, layer: usize, slot: Slot, x: &Tensor) -> Result<()> {
         let k = x.dim(candle_core::D::Minus1)?;
-        let x = x.reshape((x.elem_count() / k.max(1), k))?.to_dtype(DType::F32)?;
+        let x = x
+            .reshape((x.elem_count() / k.max(1), k))?
+            .to_dtype(DType::F32)?;
         let full = self.full.contains(&layer);
         let e = match self.stats.inputs.entry((layer, slot)) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
@@ -187,14 +214,20 @@ impl Observer for Collector {
             self.stats.kv.resize(layer + 1, KvQuantiles::default());
         }
         let f = &self.kv_fractions;
-        let (a, b, c) = (quantiles(k_pre, f)?, quantiles(k_post, f)?, quantiles(v, f)?);
+        let (a, b, c) = (
+            quantiles(k_pre, f)?,
+            quantiles(k_post, f)?,
+            quantiles(v, f)?,
+        );
         let q = &mut self.stats.kv[layer];
         let n = q.passes as f64;
         let mean = |acc: &mut Vec<f64>, new: Vec<f64>| {
             if acc.is_empty() {
                 *acc = new;
             } else {
-                acc.iter_mut().zip(new).for_each(|(m, x)| *m = (*m * n + x) / (n + 1.0));
+                acc.iter_mut()
+                    .zip(new)
+                    .for_each(|(m, x)| *m = (*m * n + x) / (n + 1.0));
             }
         };
         mean(&mut q.k_pre_rope, a);
@@ -207,7 +240,9 @@ impl Observer for Collector {
 
 /// The windows as batches of token ids `[b, len]` on `dev`.
 fn batches(windows: &[Vec<u32>], batch: usize, dev: &Device) -> Result<Vec<Tensor>> {
-    let Some(len) = windows.first().map(Vec::len) else { candle_core::bail!("calibration: no windows") };
+    let Some(len) = windows.first().map(Vec::len) else {
+        candle_core::bail!("calibration: no windows")
+    };
     if windows.iter().any(|w| w.len() != len) {
         candle_core::bail!("calibration: windows of different lengths")
     }
@@ -219,7 +254,11 @@ fn batches(windows: &[Vec<u32>], batch: usize, dev: &Device) -> Result<Vec<Tenso
 
 fn cache_for(model: &Llama, cfg: &Config, len: usize, dtype: DType, dev: &Device) -> Result<Cache> {
     if cfg.num_hidden_layers != model.num_layers() {
-        candle_core::bail!("config has {} layers, the model {}", cfg.num_hidden_layers, model.num_layers())
+        candle_core::bail!(
+            "config has {} layers, the model {}",
+            cfg.num_hidden_layers,
+            model.num_layers()
+        )
     }
     Cache::with_capacity(len, KvFormat::Dense, dtype, cfg, dev)
 }
@@ -251,13 +290,24 @@ pub fn collect(
     Ok(obs.stats)
 }
 
-/// What [`quantize_model`] did.
-#[derive(Debug, Clone)]
+/// What [`quantize_model`] did, and where its time went (seconds; the device synchronized
+/// at each stage's end).
+#[derive(Debug, Clone, Default)]
 pub struct QuantReport {
-    pub format: WeightFormat,
+    pub format: Option<WeightFormat>,
     pub seconds: f64,
     /// Calibration tokens each layer saw.
     pub tokens: usize,
+    /// Embedding every window.
+    pub embed_s: f64,
+    /// The observed passes of the dense blocks (statistics, Hessians).
+    pub calibrate_s: f64,
+    /// Quantizing the blocks' layers (GPTQ).
+    pub quantize_s: f64,
+    /// The passes of the quantized blocks (the next blocks' inputs).
+    pub propagate_s: f64,
+    /// Quantizing the output head.
+    pub head_s: f64,
 }
 
 /// Quantize every linear layer of `model` in `format`, the head in
@@ -274,19 +324,30 @@ pub fn quantize_model(
     progress: &mut dyn Progress,
 ) -> Result<QuantReport> {
     let t0 = std::time::Instant::now();
+    let mut report = QuantReport {
+        format: Some(format),
+        ..Default::default()
+    };
     if !format.needs_calibration() {
         progress.start("quantize", 1);
         model.quantize(format)?;
         progress.step("every layer");
         progress.finish();
-        return Ok(QuantReport { format, seconds: t0.elapsed().as_secs_f64(), tokens: 0 });
+        report.seconds = t0.elapsed().as_secs_f64();
+        return Ok(report);
     }
     let dev = model.lm_head().weights().device();
+    let mut clock = Clock::new(&dev)?;
     let ids = batches(windows, calib.batch, &dev)?;
     let mut cache = cache_for(model, cfg, windows[0].len(), dtype, &dev)?;
-    let mut states: Vec<(Tensor, Activation)> = ids.iter().map(|b| model.embed(b)).collect::<Result<_>>()?;
+    let mut states: Vec<(Tensor, Activation)> =
+        ids.iter().map(|b| model.embed(b)).collect::<Result<_>>()?;
+    report.embed_s = clock.lap()?;
     let layers = model.num_layers();
-    progress.start(&format!("{format} (GPTQ, sequential)"), layers * (2 * ids.len() + 1));
+    progress.start(
+        &format!("{format} (GPTQ, sequential)"),
+        layers * (2 * ids.len() + 1),
+    );
     for layer in 0..layers {
         let name = format!("model.layers.{layer}");
         let mut obs = Collector::new(vec![layer], vec![]);
@@ -294,22 +355,54 @@ pub fn quantize_model(
             model.block_prefill(layer, (res, xn), &mut cache, &mut obs)?;
             progress.step(&format!("{name} calibrate"));
         }
+        report.calibrate_s += clock.lap()?;
         for slot in Slot::ALL {
             let Some(st) = obs.stats.inputs.get(&(layer, slot)) else {
                 candle_core::bail!("calibration saw no input for {name} {}", slot.name())
             };
-            let q = model.linear(layer, slot)?.quantize_with(format, Some(&st.hessian()?), opts)?;
+            let q = model
+                .linear(layer, slot)?
+                .quantize_with(format, Some(&st.hessian()?), opts)?;
             model.set_linear(layer, slot, q)?;
         }
+        drop(obs);
         progress.step(&format!("{name} quantize"));
+        report.quantize_s += clock.lap()?;
         for s in states.iter_mut() {
             *s = model.block_prefill(layer, (&s.0, &s.1), &mut cache, &mut NoObserver)?;
             progress.step(&format!("{name} propagate"));
         }
+        report.propagate_s += clock.lap()?;
     }
     let head = model.lm_head().quantize(Llama::head_format(format))?;
     model.set_lm_head(head)?;
+    report.head_s = clock.lap()?;
     progress.finish();
-    let tokens = windows.iter().map(Vec::len).sum();
-    Ok(QuantReport { format, seconds: t0.elapsed().as_secs_f64(), tokens })
+    report.tokens = windows.iter().map(Vec::len).sum();
+    report.seconds = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Seconds between laps, with the device synchronized at each lap (its work is async).
+struct Clock {
+    dev: Device,
+    t: std::time::Instant,
+}
+
+impl Clock {
+    fn new(dev: &Device) -> Result<Self> {
+        dev.synchronize()?;
+        Ok(Self {
+            dev: dev.clone(),
+            t: std::time::Instant::now(),
+        })
+    }
+
+    fn lap(&mut self) -> Result<f64> {
+        self.dev.synchronize()?;
+        let now = std::time::Instant::now();
+        let s = (now - self.t).as_secs_f64();
+        self.t = now;
+        Ok(s)
+    }
 }

@@ -90,7 +90,10 @@ fn err(file: &Path, what: String) -> candle_core::Error {
 /// SHA-256 of `bytes`, in hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Whether `dir` holds a candle-lowbit checkpoint (reads only the safetensors header).
@@ -110,20 +113,33 @@ fn read_header_metadata(file: &Path) -> std::io::Result<HashMap<String, String>>
     let mut header = vec![0u8; n];
     f.read_exact(&mut header)?;
     let json: serde_json::Value = serde_json::from_slice(&header).map_err(std::io::Error::other)?;
-    let md = json.get("__metadata__").and_then(|m| m.as_object()).cloned().unwrap_or_default();
-    Ok(md.into_iter().filter_map(|(k, v)| v.as_str().map(|s| (k, s.to_string()))).collect())
+    let md = json
+        .get("__metadata__")
+        .and_then(|m| m.as_object())
+        .cloned()
+        .unwrap_or_default();
+    Ok(md
+        .into_iter()
+        .filter_map(|(k, v)| v.as_str().map(|s| (k, s.to_string())))
+        .collect())
 }
+
+/// One linear layer of the model and the HF-named parts `(name, rows)` it is stored as.
+type StoredLayer = (Vec<(String, usize)>, QLinear);
 
 /// The HF name of every linear layer of `model` with its rows, per stored layer: blocks'
 /// slots split into their parts, then the head.
-fn stored_layers(model: &Llama, cfg: &Config) -> Result<Vec<(Vec<(String, usize)>, QLinear)>> {
+fn stored_layers(model: &Llama, cfg: &Config) -> Result<Vec<StoredLayer>> {
     let mut v = vec![];
     for layer in 0..model.num_layers() {
         for slot in Slot::ALL {
             v.push((slot.parts(cfg, layer), model.linear(layer, slot)?.clone()));
         }
     }
-    v.push((vec![("lm_head".to_string(), cfg.vocab_size)], model.lm_head().clone()));
+    v.push((
+        vec![("lm_head".to_string(), cfg.vocab_size)],
+        model.lm_head().clone(),
+    ));
     Ok(v)
 }
 
@@ -157,12 +173,22 @@ pub fn save(model: &Llama, dir: &Path, info: &SaveInfo) -> Result<Manifest> {
         for (part, rows) in &parts {
             for (field, t) in &fields {
                 if t.dim(0)? != lin.shape().0 {
-                    candle_core::bail!("{part}: field {field} {:?} does not have the layer's rows first", t.shape())
+                    candle_core::bail!(
+                        "{part}: field {field} {:?} does not have the layer's rows first",
+                        t.shape()
+                    )
                 }
-                tensors.push((format!("{part}.{field}"), t.narrow(0, row, *rows)?.to_device(&Device::Cpu)?));
+                tensors.push((
+                    format!("{part}.{field}"),
+                    t.narrow(0, row, *rows)?.to_device(&Device::Cpu)?,
+                ));
             }
             let spec = lin.format().spec();
-            let entry = LayerEntry { format: spec.name.into(), version: spec.version, shape: [*rows, lin.shape().1] };
+            let entry = LayerEntry {
+                format: spec.name.into(),
+                version: spec.version,
+                shape: [*rows, lin.shape().1],
+            };
             layers.insert(part.clone(), entry);
             row += rows;
         }
@@ -185,7 +211,8 @@ pub fn save(model: &Llama, dir: &Path, info: &SaveInfo) -> Result<Manifest> {
     let tmp = dir.join(format!("{WEIGHTS_FILE}.part"));
     safetensors::serialize_to_file(tensors.iter().map(|(k, t)| (k.as_str(), t)), Some(md), &tmp)
         .map_err(|e| err(&tmp, format!("cannot write: {e}")))?;
-    std::fs::rename(&tmp, &file).map_err(|e| err(&file, format!("cannot rename into place: {e}")))?;
+    std::fs::rename(&tmp, &file)
+        .map_err(|e| err(&file, format!("cannot rename into place: {e}")))?;
     write_side_files(dir, info)?;
     Ok(manifest)
 }
@@ -197,9 +224,14 @@ fn write_side_files(dir: &Path, info: &SaveInfo) -> Result<()> {
     };
     write("config.json", config_json(info.config).to_string())?;
     let tok = dir.join("tokenizer.json");
-    info.tokenizer.save(&tok, false).map_err(|e| err(&tok, format!("cannot write: {e}")))?;
+    info.tokenizer
+        .save(&tok, false)
+        .map_err(|e| err(&tok, format!("cannot write: {e}")))?;
     if let Some(t) = info.chat_template {
-        write("tokenizer_config.json", serde_json::json!({ "chat_template": t }).to_string())?;
+        write(
+            "tokenizer_config.json",
+            serde_json::json!({ "chat_template": t }).to_string(),
+        )?;
     }
     Ok(())
 }
@@ -258,15 +290,22 @@ impl Checkpoint {
         use candle_core::safetensors::Load;
         let file = dir.join(WEIGHTS_FILE);
         let bytes = std::fs::read(&file).map_err(|e| err(&file, format!("cannot read: {e}")))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .map_err(|e| err(&file, format!("not a readable safetensors file (truncated?): {e}")))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+            err(
+                &file,
+                format!("not a readable safetensors file (truncated?): {e}"),
+            )
+        })?;
         let (_, md) = safetensors::SafeTensors::read_metadata(&bytes)
             .map_err(|e| err(&file, format!("unreadable header: {e}")))?;
         let Some(json) = md.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)) else {
-            return Err(err(&file, format!("no '{METADATA_KEY}' metadata: not a candle-lowbit checkpoint")));
+            return Err(err(
+                &file,
+                format!("no '{METADATA_KEY}' metadata: not a candle-lowbit checkpoint"),
+            ));
         };
-        let manifest: Manifest =
-            serde_json::from_str(json).map_err(|e| err(&file, format!("unreadable manifest: {e}")))?;
+        let manifest: Manifest = serde_json::from_str(json)
+            .map_err(|e| err(&file, format!("unreadable manifest: {e}")))?;
         if manifest.checkpoint_version != CHECKPOINT_VERSION {
             return Err(err(
                 &file,
@@ -279,26 +318,48 @@ impl Checkpoint {
         let mut tensors = HashMap::new();
         let mut fields: HashMap<String, Vec<String>> = HashMap::new();
         for (name, view) in st.tensors() {
-            let t = view.load(&Device::Cpu).map_err(|e| err(&file, format!("tensor '{name}': {e}")))?;
+            let t = view
+                .load(&Device::Cpu)
+                .map_err(|e| err(&file, format!("tensor '{name}': {e}")))?;
             if let Some((layer, field)) = name.rsplit_once('.') {
-                fields.entry(layer.to_string()).or_default().push(field.to_string());
+                fields
+                    .entry(layer.to_string())
+                    .or_default()
+                    .push(field.to_string());
             }
             tensors.insert(name, t);
         }
-        let me = Self { file, tensors, fields, manifest, dtype, device: device.clone() };
+        let me = Self {
+            file,
+            tensors,
+            fields,
+            manifest,
+            dtype,
+            device: device.clone(),
+        };
         me.check_layers()?;
         Ok(me)
     }
 
     /// Every layer's format is known and of this build's layout version.
     fn check_layers(&self) -> Result<()> {
-        self.manifest.weight_format().map_err(|e| err(&self.file, e.to_string()))?;
+        self.manifest
+            .weight_format()
+            .map_err(|e| err(&self.file, e.to_string()))?;
         for (name, e) in &self.manifest.layers {
-            let f: WeightFormat = e.format.parse().map_err(|x| err(&self.file, format!("layer {name}: {x}")))?;
+            let f: WeightFormat = e
+                .format
+                .parse()
+                .map_err(|x| err(&self.file, format!("layer {name}: {x}")))?;
             if f.spec().version != e.version {
                 return Err(err(
                     &self.file,
-                    format!("layer {name}: {} layout version {}; this build reads version {}", f, e.version, f.spec().version),
+                    format!(
+                        "layer {name}: {} layout version {}; this build reads version {}",
+                        f,
+                        e.version,
+                        f.spec().version
+                    ),
                 ));
             }
         }
@@ -308,11 +369,17 @@ impl Checkpoint {
     /// Tensor `name` on the device, its dims checked against `dims` where given.
     fn stored(&self, name: &str, dims: Option<&[usize]>) -> Result<Tensor> {
         let Some(t) = self.tensors.get(name) else {
-            return Err(err(&self.file, format!("no tensor '{name}' (incomplete, or for another model)")));
+            return Err(err(
+                &self.file,
+                format!("no tensor '{name}' (incomplete, or for another model)"),
+            ));
         };
         if let Some(d) = dims {
             if t.dims() != d {
-                return Err(err(&self.file, format!("tensor '{name}' is {:?}, the config wants {d:?}", t.dims())));
+                return Err(err(
+                    &self.file,
+                    format!("tensor '{name}' is {:?}, the config wants {d:?}", t.dims()),
+                ));
             }
         }
         t.to_device(&self.device)
@@ -321,7 +388,10 @@ impl Checkpoint {
     /// The fields stored for layer `part` (`{part}.{field}`), by field name.
     fn fields(&self, part: &str) -> Result<HashMap<String, Tensor>> {
         let names = self.fields.get(part).map(Vec::as_slice).unwrap_or_default();
-        names.iter().map(|f| Ok((f.clone(), self.stored(&format!("{part}.{f}"), None)?))).collect()
+        names
+            .iter()
+            .map(|f| Ok((f.clone(), self.stored(&format!("{part}.{f}"), None)?)))
+            .collect()
     }
 }
 
@@ -335,34 +405,63 @@ impl WeightSource for Checkpoint {
         let mut stacked: HashMap<String, Vec<Tensor>> = HashMap::new();
         for (part, rows) in parts {
             let Some(e) = self.manifest.layers.get(part) else {
-                return Err(err(&self.file, format!("the manifest lists no layer '{part}'")));
+                return Err(err(
+                    &self.file,
+                    format!("the manifest lists no layer '{part}'"),
+                ));
             };
             if e.shape != [*rows, in_dim] {
-                return Err(err(&self.file, format!("layer '{part}' is {:?}, the config wants [{rows}, {in_dim}]", e.shape)));
+                return Err(err(
+                    &self.file,
+                    format!(
+                        "layer '{part}' is {:?}, the config wants [{rows}, {in_dim}]",
+                        e.shape
+                    ),
+                ));
             }
             let f: WeightFormat = e.format.parse()?;
             if format.is_some_and(|g| g != f) {
-                return Err(err(&self.file, format!("layer '{part}' is {f}, but the parts stacked with it are not")));
+                return Err(err(
+                    &self.file,
+                    format!("layer '{part}' is {f}, but the parts stacked with it are not"),
+                ));
             }
             format = Some(f);
             for (field, t) in self.fields(part)? {
                 if t.dims().first() != Some(rows) {
-                    return Err(err(&self.file, format!("tensor '{part}.{field}' is {:?}, want {rows} rows first", t.dims())));
+                    return Err(err(
+                        &self.file,
+                        format!(
+                            "tensor '{part}.{field}' is {:?}, want {rows} rows first",
+                            t.dims()
+                        ),
+                    ));
                 }
                 stacked.entry(field).or_default().push(t);
             }
         }
-        let Some(format) = format else { candle_core::bail!("checkpoint: a linear layer of no parts") };
+        let Some(format) = format else {
+            candle_core::bail!("checkpoint: a linear layer of no parts")
+        };
         let fields = stacked
             .into_iter()
-            .map(|(k, v)| Ok((k, if v.len() == 1 { v[0].clone() } else { Tensor::cat(&v, 0)? })))
+            .map(|(k, v)| {
+                Ok((
+                    k,
+                    if v.len() == 1 {
+                        v[0].clone()
+                    } else {
+                        Tensor::cat(&v, 0)?
+                    },
+                ))
+            })
             .collect::<Result<HashMap<_, _>>>()?;
         let rows = parts.iter().map(|(_, r)| r).sum();
         let names: Vec<&str> = parts.iter().map(|(p, _)| p.as_str()).collect();
         let w = format
             .spec()
             .codec
-            .from_tensors(format, (rows, in_dim), &fields)
+            .rebuild(format, (rows, in_dim), &fields)
             .map_err(|e| err(&self.file, format!("layer {}: {e}", names.join(" + "))))?;
         let lin = QLinear::new(w, None);
         if format == WeightFormat::Dense {

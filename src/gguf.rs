@@ -26,12 +26,16 @@ pub struct GgufLlama {
 }
 
 fn md<'a>(ct: &'a Content, key: &str) -> Result<&'a Value> {
-    ct.metadata.get(key).ok_or_else(|| candle_core::Error::Msg(format!("GGUF metadata has no '{key}'")))
+    ct.metadata
+        .get(key)
+        .ok_or_else(|| candle_core::Error::Msg(format!("GGUF metadata has no '{key}'")))
 }
 
 fn md_u32(ct: &Content, key: &str) -> Result<usize> {
     let v = md(ct, key)?;
-    Ok(v.to_u32().or_else(|_| v.to_u64().map(|x| x as u32)).or_else(|_| v.to_i32().map(|x| x as u32))? as usize)
+    Ok(v.to_u32()
+        .or_else(|_| v.to_u64().map(|x| x as u32))
+        .or_else(|_| v.to_i32().map(|x| x as u32))? as usize)
 }
 
 /// The Llama config a GGUF file's metadata describes.
@@ -47,9 +51,9 @@ pub fn config_from_gguf(ct: &Content) -> Result<Config> {
         Err(_) => md_u32(ct, "llama.vocab_size")?,
     };
     let tied = !ct.tensor_infos.contains_key("output.weight");
-    let eos = md_u32(ct, "tokenizer.ggml.eos_token_id").ok().map(|e| {
-        candle_transformers::models::llama::LlamaEosToks::Single(e as u32)
-    });
+    let eos = md_u32(ct, "tokenizer.ggml.eos_token_id")
+        .ok()
+        .map(|e| candle_transformers::models::llama::LlamaEosToks::Single(e as u32));
     Ok(Config {
         hidden_size: h,
         intermediate_size: md_u32(ct, "llama.feed_forward_length")?,
@@ -59,8 +63,12 @@ pub fn config_from_gguf(ct: &Content) -> Result<Config> {
         num_key_value_heads: md_u32(ct, "llama.attention.head_count_kv").unwrap_or(n_h),
         use_flash_attn: false,
         rms_norm_eps: md(ct, "llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64,
-        rope_theta: md(ct, "llama.rope.freq_base").and_then(|v| v.to_f32()).unwrap_or(10_000.),
-        bos_token_id: md_u32(ct, "tokenizer.ggml.bos_token_id").ok().map(|x| x as u32),
+        rope_theta: md(ct, "llama.rope.freq_base")
+            .and_then(|v| v.to_f32())
+            .unwrap_or(10_000.),
+        bos_token_id: md_u32(ct, "tokenizer.ggml.bos_token_id")
+            .ok()
+            .map(|x| x as u32),
         eos_token_id: eos,
         rope_scaling: None,
         max_position_embeddings: md_u32(ct, "llama.context_length").unwrap_or(4096),
@@ -103,33 +111,49 @@ fn unpermute(w: &Tensor, heads: usize) -> Result<Tensor> {
     if heads == 0 || out % (2 * heads) != 0 {
         candle_core::bail!("cannot un-permute a [{out}, {inp}] projection over {heads} heads")
     }
-    w.reshape((heads, out / heads / 2, 2, inp))?.transpose(1, 2)?.reshape((out, inp))
+    w.reshape((heads, out / heads / 2, 2, inp))?
+        .transpose(1, 2)?
+        .reshape((out, inp))
 }
 
 /// Read a GGUF Llama file: weights dequantized to `dtype` on `device`.
 pub fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<GgufLlama> {
-    let mut file = std::fs::File::open(path)
-        .map_err(|e| candle_core::Error::Msg(format!("cannot open model file {}: {e}", path.display())))?;
-    let ct = Content::read(&mut file)
-        .map_err(|e| candle_core::Error::Msg(format!("{} is not a readable GGUF file: {e}", path.display())))?;
+    let mut file = std::fs::File::open(path).map_err(|e| {
+        candle_core::Error::Msg(format!("cannot open model file {}: {e}", path.display()))
+    })?;
+    let ct = Content::read(&mut file).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "{} is not a readable GGUF file: {e}",
+            path.display()
+        ))
+    })?;
     let config = config_from_gguf(&ct)?;
     let tokenizer = crate::tokenizer::from_gguf(&ct)?;
-    let chat_template = md(&ct, "tokenizer.chat_template").ok().and_then(|v| v.to_string().ok()).cloned();
+    let chat_template = md(&ct, "tokenizer.chat_template")
+        .ok()
+        .and_then(|v| v.to_string().ok())
+        .cloned();
     let name = md(&ct, "general.name")
         .ok()
         .and_then(|v| v.to_string().ok())
         .cloned()
-        .unwrap_or_else(|| path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+        .unwrap_or_else(|| {
+            path.file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        });
 
     let mut tensors = HashMap::new();
     let (mut lin_bytes, mut lin_n) = (0usize, 0usize);
     let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
     names.sort();
     for gname in names {
-        let Some((hname, heads)) = hf_name(gname, &config) else { continue };
-        let q = ct
-            .tensor(&mut file, gname, &Device::Cpu)
-            .map_err(|e| candle_core::Error::Msg(format!("{}: tensor {gname}: {e}", path.display())))?;
+        let Some((hname, heads)) = hf_name(gname, &config) else {
+            continue;
+        };
+        let q = ct.tensor(&mut file, gname, &Device::Cpu).map_err(|e| {
+            candle_core::Error::Msg(format!("{}: tensor {gname}: {e}", path.display()))
+        })?;
         if q.shape().rank() == 2 && gname != "token_embd.weight" {
             lin_bytes += q.storage_size_in_bytes();
             lin_n += q.shape().elem_count();

@@ -45,7 +45,11 @@ pub struct GptqConfig {
 
 impl Default for GptqConfig {
     fn default() -> Self {
-        Self { damp: 0.01, block: 128, act_order: true }
+        Self {
+            damp: 0.01,
+            block: 128,
+            act_order: true,
+        }
     }
 }
 
@@ -89,7 +93,10 @@ pub struct GptqOutput {
 
 /// Groups of `size` over `k` columns: `(start, width)` of each.
 fn group_spans(k: usize, size: usize) -> Vec<(usize, usize)> {
-    (0..k).step_by(size.max(1)).map(|s| (s, size.min(k - s))).collect()
+    (0..k)
+        .step_by(size.max(1))
+        .map(|s| (s, size.min(k - s)))
+        .collect()
 }
 
 /// Round to nearest with `rule` (no Hessian), in tensor ops on `w`'s device.
@@ -104,15 +111,25 @@ pub fn round_to_nearest(w: &Tensor, rule: &dyn GroupRule) -> Result<Quantized> {
         params.push(p);
     }
     let codes = Tensor::cat(&codes, 0)?.t()?.contiguous()?;
-    let params = Tensor::stack(&params, 0)?.permute((2, 0, 1))?.contiguous()?;
+    let params = Tensor::stack(&params, 0)?
+        .permute((2, 0, 1))?
+        .contiguous()?;
     if codes.dims() != [n, k] {
-        candle_core::bail!("round to nearest: codes {:?} for a [{n}, {k}] weight", codes.dims())
+        candle_core::bail!(
+            "round to nearest: codes {:?} for a [{n}, {k}] weight",
+            codes.dims()
+        )
     }
     Ok(Quantized { codes, params })
 }
 
 /// The scalar reference of [`round_to_nearest`]: codes `[n, k]` and parameters `[n, groups, P]`.
-pub fn round_to_nearest_ref(w: &[f32], n: usize, k: usize, rule: &dyn GroupRule) -> (Vec<u8>, Vec<f32>) {
+pub fn round_to_nearest_ref(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    rule: &dyn GroupRule,
+) -> (Vec<u8>, Vec<f32>) {
     let spans = group_spans(k, rule.group_size());
     let np = rule.params();
     let (mut codes, mut params) = (vec![0u8; n * k], vec![0f32; n * spans.len() * np]);
@@ -162,7 +179,9 @@ pub fn hinv_upper(h: &[f64], k: usize, damp: f64) -> Result<(Vec<f64>, f64)> {
         }
         frac *= 10.0;
     }
-    candle_core::bail!("gptq: the [{k}, {k}] Hessian is not positive definite even with {frac:.0e} dampening")
+    candle_core::bail!(
+        "gptq: the [{k}, {k}] Hessian is not positive definite even with {frac:.0e} dampening"
+    )
 }
 
 /// Column order, dead columns and the static parameters shared by both implementations.
@@ -175,13 +194,18 @@ struct Prep {
 
 fn prepare(h: &[f32], k: usize, cfg: &GptqConfig) -> Result<Prep> {
     if h.len() != k * k {
-        candle_core::bail!("gptq: a Hessian of {} values for a weight of {k} columns", h.len())
+        candle_core::bail!(
+            "gptq: a Hessian of {} values for a weight of {k} columns",
+            h.len()
+        )
     }
     if cfg.block == 0 {
         candle_core::bail!("gptq: block must be at least 1")
     }
     let dead: Vec<bool> = (0..k).map(|i| h[i * k + i] == 0.0).collect();
-    let diag: Vec<f64> = (0..k).map(|i| if dead[i] { 1.0 } else { h[i * k + i] as f64 }).collect();
+    let diag: Vec<f64> = (0..k)
+        .map(|i| if dead[i] { 1.0 } else { h[i * k + i] as f64 })
+        .collect();
     let mut perm: Vec<usize> = (0..k).collect();
     if cfg.act_order {
         perm.sort_by(|&a, &b| diag[b].total_cmp(&diag[a]));
@@ -189,7 +213,11 @@ fn prepare(h: &[f32], k: usize, cfg: &GptqConfig) -> Result<Prep> {
     let mut hp = vec![0f64; k * k];
     for (i, &pi) in perm.iter().enumerate() {
         for (j, &pj) in perm.iter().enumerate() {
-            hp[i * k + j] = if pi == pj { diag[pi] } else { h[pi * k + pj] as f64 };
+            hp[i * k + j] = if pi == pj {
+                diag[pi]
+            } else {
+                h[pi * k + pj] as f64
+            };
         }
     }
     Ok(Prep { perm, dead, h: hp })
@@ -199,9 +227,13 @@ fn prepare(h: &[f32], k: usize, cfg: &GptqConfig) -> Result<Prep> {
 fn check(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfig) -> Result<(usize, usize)> {
     let (n, k) = w.dims2()?;
     if h.dims() != [k, k] {
-        candle_core::bail!("gptq: Hessian {:?} for a weight {:?} (want [{k}, {k}])", h.shape(), w.shape())
+        candle_core::bail!(
+            "gptq: Hessian {:?} for a weight {:?} (want [{k}, {k}])",
+            h.shape(),
+            w.shape()
+        )
     }
-    if !cfg.act_order && cfg.block % rule.group_size() != 0 {
+    if !cfg.act_order && !cfg.block.is_multiple_of(rule.group_size()) {
         candle_core::bail!(
             "gptq: without activation order the block ({}) must be a multiple of the group ({})",
             cfg.block,
@@ -221,11 +253,19 @@ pub fn gptq(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfig) -> R
 }
 
 fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
-    t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()
+    t.to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()
 }
 
 /// The plain reference: f64 loops over host memory, rows split over threads.
-pub fn gptq_ref(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfig) -> Result<GptqOutput> {
+pub fn gptq_ref(
+    w: &Tensor,
+    h: &Tensor,
+    rule: &dyn GroupRule,
+    cfg: &GptqConfig,
+) -> Result<GptqOutput> {
     let (n, k) = check(w, h, rule, cfg)?;
     let prep = prepare(&host_f32(h)?, k, cfg)?;
     let (u, damp) = hinv_upper(&prep.h, k, cfg.damp)?;
@@ -240,14 +280,24 @@ pub fn gptq_ref(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfig) 
     let spans = group_spans(k, rule.group_size());
     let np = rule.params();
     let (mut codes, mut params) = (vec![0u8; n * k], vec![0f32; n * spans.len() * np]);
-    let threads = std::thread::available_parallelism().map(|t| t.get()).unwrap_or(1).min(n.max(1));
+    let threads = std::thread::available_parallelism()
+        .map(|t| t.get())
+        .unwrap_or(1)
+        .min(n.max(1));
     let rows_per = n.div_ceil(threads.max(1)).max(1);
     std::thread::scope(|s| {
-        let work = wv.chunks(rows_per * k).zip(codes.chunks_mut(rows_per * k)).zip(params.chunks_mut(rows_per * spans.len() * np));
+        let work = wv
+            .chunks(rows_per * k)
+            .zip(codes.chunks_mut(rows_per * k))
+            .zip(params.chunks_mut(rows_per * spans.len() * np));
         for ((wr, cr), pr) in work {
             let (prep, u, spans) = (&prep, &u, &spans);
             s.spawn(move || {
-                for ((w_row, c_row), p_row) in wr.chunks(k).zip(cr.chunks_mut(k)).zip(pr.chunks_mut(spans.len() * np)) {
+                for ((w_row, c_row), p_row) in wr
+                    .chunks(k)
+                    .zip(cr.chunks_mut(k))
+                    .zip(pr.chunks_mut(spans.len() * np))
+                {
                     gptq_row(w_row, c_row, p_row, (prep, u, spans), rule, cfg);
                 }
             });
@@ -256,7 +306,10 @@ pub fn gptq_ref(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfig) 
     let dev = w.device();
     let codes = Tensor::from_vec(codes, (n, k), &Device::Cpu)?.to_device(dev)?;
     let params = Tensor::from_vec(params, (n, spans.len(), np), &Device::Cpu)?.to_device(dev)?;
-    Ok(GptqOutput { quantized: Quantized { codes, params }, damp })
+    Ok(GptqOutput {
+        quantized: Quantized { codes, params },
+        damp,
+    })
 }
 
 /// One row of [`gptq_ref`]: `w` its weights (original column order), `codes` and `p`
@@ -306,15 +359,28 @@ fn gptq_row(
 }
 
 /// The same algorithm in candle tensor ops (f32) on the weight's device, on `Wᵀ` `[k, n]`.
-pub fn gptq_tensor(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfig) -> Result<GptqOutput> {
+pub fn gptq_tensor(
+    w: &Tensor,
+    h: &Tensor,
+    rule: &dyn GroupRule,
+    cfg: &GptqConfig,
+) -> Result<GptqOutput> {
     let (n, k) = check(w, h, rule, cfg)?;
     let dev = w.device().clone();
     let prep = prepare(&host_f32(h)?, k, cfg)?;
     let (u64s, damp) = hinv_upper(&prep.h, k, cfg.damp)?;
     let u_host: Vec<f32> = u64s.iter().map(|&x| x as f32).collect();
     let u = Tensor::from_slice(&u_host, (k, k), &dev)?;
-    let alive: Vec<f32> = prep.dead.iter().map(|&d| if d { 0.0 } else { 1.0 }).collect();
-    let wt = w.to_dtype(DType::F32)?.t()?.broadcast_mul(&Tensor::from_vec(alive, (k, 1), &dev)?)?.contiguous()?;
+    let alive: Vec<f32> = prep
+        .dead
+        .iter()
+        .map(|&d| if d { 0.0 } else { 1.0 })
+        .collect();
+    let wt = w
+        .to_dtype(DType::F32)?
+        .t()?
+        .broadcast_mul(&Tensor::from_vec(alive, (k, 1), &dev)?)?
+        .contiguous()?;
     let spans = group_spans(k, rule.group_size());
     let mut params: Vec<Option<Tensor>> = vec![None; spans.len()];
     if cfg.act_order {
@@ -322,31 +388,51 @@ pub fn gptq_tensor(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfi
             params[g] = Some(rule.fit_t(g, &wt.narrow(0, start, width)?)?);
         }
     }
-    let perm = Tensor::from_vec(prep.perm.iter().map(|&c| c as u32).collect::<Vec<_>>(), k, &dev)?;
+    let perm = Tensor::from_vec(
+        prep.perm.iter().map(|&c| c as u32).collect::<Vec<_>>(),
+        k,
+        &dev,
+    )?;
     let x = wt.index_select(&perm, 0)?.contiguous()?;
     let codes = Tensor::zeros((k, n), DType::U8, &dev)?;
     for i1 in (0..k).step_by(cfg.block) {
         let cnt = cfg.block.min(k - i1);
         let blk = x.narrow(0, i1, cnt)?.contiguous()?;
-        let ut = u.narrow(0, i1, cnt)?.narrow(1, i1, cnt)?.t()?.contiguous()?; // [cnt, cnt]: row j = U[i1.., i1 + j]
+        let ut = u
+            .narrow(0, i1, cnt)?
+            .narrow(1, i1, cnt)?
+            .t()?
+            .contiguous()?; // [cnt, cnt]: row j = U[i1.., i1 + j]
         let err = Tensor::zeros((cnt, n), DType::F32, &dev)?;
         for i in 0..cnt {
             let col = prep.perm[i1 + i];
             let g = col / rule.group_size();
             // Column i of the block with the updates from the block's earlier columns.
             let xi = blk.narrow(0, i, 1)?;
-            let xi = if i == 0 { xi } else { (xi - ut.narrow(0, i, 1)?.narrow(1, 0, i)?.matmul(&err.narrow(0, 0, i)?)?)? };
+            let xi = if i == 0 {
+                xi
+            } else {
+                (xi - ut
+                    .narrow(0, i, 1)?
+                    .narrow(1, 0, i)?
+                    .matmul(&err.narrow(0, 0, i)?)?)?
+            };
             if !cfg.act_order && col == spans[g].0 {
                 let width = spans[g].1;
                 let later = blk.narrow(0, i, width)?;
                 let upd = if i == 0 {
                     later
                 } else {
-                    (later - ut.narrow(0, i, width)?.narrow(1, 0, i)?.matmul(&err.narrow(0, 0, i)?)?)?
+                    (later
+                        - ut.narrow(0, i, width)?
+                            .narrow(1, 0, i)?
+                            .matmul(&err.narrow(0, 0, i)?)?)?
                 };
                 params[g] = Some(rule.fit_t(g, &upd)?);
             }
-            let Some(pg) = params[g].as_ref() else { candle_core::bail!("gptq: group {g} has no parameters") };
+            let Some(pg) = params[g].as_ref() else {
+                candle_core::bail!("gptq: group {g} has no parameters")
+            };
             let (c, q) = rule.quantize_t(col, &xi, pg)?;
             let d = u_host[(i1 + i) * k + i1 + i] as f64;
             err.slice_set(&((xi - q)? / d)?, 0, i)?;
@@ -354,7 +440,10 @@ pub fn gptq_tensor(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfi
         }
         if i1 + cnt < k {
             let rest = x.narrow(0, i1 + cnt, k - i1 - cnt)?;
-            let ub = u.narrow(0, i1, cnt)?.narrow(1, i1 + cnt, k - i1 - cnt)?.t()?; // [rest, cnt]
+            let ub = u
+                .narrow(0, i1, cnt)?
+                .narrow(1, i1 + cnt, k - i1 - cnt)?
+                .t()?; // [rest, cnt]
             x.slice_set(&(rest - ub.matmul(&err)?)?, 0, i1 + cnt)?;
         }
     }
@@ -362,16 +451,29 @@ pub fn gptq_tensor(w: &Tensor, h: &Tensor, rule: &dyn GroupRule, cfg: &GptqConfi
     for (i, &c) in prep.perm.iter().enumerate() {
         inv[c] = i as u32;
     }
-    let codes = codes.index_select(&Tensor::from_vec(inv, k, &dev)?, 0)?.t()?.contiguous()?;
+    let codes = codes
+        .index_select(&Tensor::from_vec(inv, k, &dev)?, 0)?
+        .t()?
+        .contiguous()?;
     let params = params.into_iter().collect::<Option<Vec<_>>>();
-    let Some(params) = params else { candle_core::bail!("gptq: a group was never fitted") };
-    let params = Tensor::stack(&params, 0)?.permute((2, 0, 1))?.contiguous()?;
-    Ok(GptqOutput { quantized: Quantized { codes, params }, damp })
+    let Some(params) = params else {
+        candle_core::bail!("gptq: a group was never fitted")
+    };
+    let params = Tensor::stack(&params, 0)?
+        .permute((2, 0, 1))?
+        .contiguous()?;
+    Ok(GptqOutput {
+        quantized: Quantized { codes, params },
+        damp,
+    })
 }
 
 /// `tr((W − Q) H (W − Q)ᵀ)`: the objective GPTQ minimizes (f64 on the host).
 pub fn objective(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
     let d = (w.to_dtype(DType::F64)? - q.to_dtype(DType::F64)?)?;
     let hd = d.matmul(&h.to_dtype(DType::F64)?)?;
-    (hd * d)?.sum_all()?.to_device(&Device::Cpu)?.to_scalar::<f64>()
+    (hd * d)?
+        .sum_all()?
+        .to_device(&Device::Cpu)?
+        .to_scalar::<f64>()
 }

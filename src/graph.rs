@@ -73,9 +73,19 @@ impl GraphDecoder {
     /// One decode step: `tokens[i]` of sequence `i` sits at position `pos` (after a
     /// prefill of `pos` tokens through [`Llama::forward`] on the same cache). Returns f32
     /// logits `[batch, vocab]` — the decoder's own buffer, overwritten by the next step.
-    pub fn step(&mut self, model: &Llama, cache: &mut Cache, tokens: &[u32], pos: usize) -> Result<Tensor> {
+    pub fn step(
+        &mut self,
+        model: &Llama,
+        cache: &mut Cache,
+        tokens: &[u32],
+        pos: usize,
+    ) -> Result<Tensor> {
         if tokens.len() != self.batch {
-            candle_core::bail!("graph decoder: {} tokens for batch {}", tokens.len(), self.batch)
+            candle_core::bail!(
+                "graph decoder: {} tokens for batch {}",
+                tokens.len(),
+                self.batch
+            )
         }
         if cache.batch() != self.batch || pos == 0 {
             candle_core::bail!(
@@ -85,7 +95,10 @@ impl GraphDecoder {
             )
         }
         if pos + 1 > cache.max_len() {
-            candle_core::bail!("decode: position {pos} is past the context of {} tokens", cache.max_len())
+            candle_core::bail!(
+                "decode: position {pos} is past the context of {} tokens",
+                cache.max_len()
+            )
         }
         let vocab = model.vocab_size();
         for &t in tokens {
@@ -96,7 +109,8 @@ impl GraphDecoder {
         let dev = self.ids.device().clone();
         self.ids.slice_set(&Tensor::new(tokens, &dev)?, 0, 0)?;
         if self.dev_pos != Some(pos) {
-            self.pos.slice_set(&Tensor::new(&[pos as u32], &dev)?, 0, 0)?;
+            self.pos
+                .slice_set(&Tensor::new(&[pos as u32], &dev)?, 0, 0)?;
         }
         self.run(model, cache, pos)?;
         self.dev_pos = Some(pos + 1);
@@ -143,19 +157,29 @@ impl GraphDecoder {
     /// Capture one step into a graph (nothing runs during capture). Err(reason) where it
     /// cannot be done; the step then runs eagerly.
     #[cfg(feature = "cuda")]
-    fn capture(&mut self, model: &Llama, cache: &mut Cache, pos: usize) -> std::result::Result<(), String> {
+    fn capture(
+        &mut self,
+        model: &Llama,
+        cache: &mut Cache,
+        pos: usize,
+    ) -> std::result::Result<(), String> {
         use candle_core::cuda_backend::cudarc::driver::sys;
         let Device::Cuda(cuda) = self.ids.device().clone() else {
             return Err("the model is not on a CUDA device".into());
         };
         if cuda.is_event_tracking() {
-            return Err("event tracking is on: create the device with candle_lowbit::graph::cuda_device".into());
+            return Err(
+                "event tracking is on: create the device with candle_lowbit::graph::cuda_device"
+                    .into(),
+            );
         }
         model.graph_ready()?;
         let stream = cuda.cuda_stream();
         let _htod = cuda.enable_cuda_graph_htod_cache();
         stream.synchronize().map_err(|e| e.to_string())?;
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(|e| e.to_string())?;
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| e.to_string())?;
         let body = model.decode_step_into(&self.ids, &self.pos, pos, &self.logits, cache);
         let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = stream.end_capture(flags);

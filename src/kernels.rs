@@ -11,11 +11,12 @@ pub use cuda::*;
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{
-        sys, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, SyncOnDrop,
+        sys, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
+        SyncOnDrop,
     };
-    use std::ffi::c_void;
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
     use candle_core::{Layout, Result};
+    use std::ffi::c_void;
 
     /// The contiguous view of `storage` that `layout` describes, or an error naming `what`.
     pub fn contiguous_view<'a, T: CudaDType + DeviceRepr>(
@@ -48,7 +49,11 @@ mod cuda {
     /// sets `CANDLE_LOWBIT_PDL=0`; read once).
     pub fn pdl_enabled() -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::env::var("CANDLE_LOWBIT_PDL").map(|v| v != "0").unwrap_or(true))
+        *ON.get_or_init(|| {
+            std::env::var("CANDLE_LOWBIT_PDL")
+                .map(|v| v != "0")
+                .unwrap_or(true)
+        })
     }
 
     /// Launch `func` on `stream` with programmatic dependent launch allowed: the kernel may
@@ -60,7 +65,12 @@ mod cuda {
     ///
     /// # Safety
     /// `args` must match the kernel's parameter list in number, order and type.
-    pub unsafe fn launch_pdl(func: &CudaFunction, stream: &CudaStream, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+    pub unsafe fn launch_pdl(
+        func: &CudaFunction,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<()> {
         launch_ex(func, stream, cfg, 0, args)
     }
 
@@ -77,12 +87,21 @@ mod cuda {
         args: &[Arg],
     ) -> Result<()> {
         if cluster_x == 0 || cfg.grid_dim.0 % cluster_x != 0 {
-            candle_core::bail!("launch: grid x {} is not a multiple of the cluster's {cluster_x}", cfg.grid_dim.0)
+            candle_core::bail!(
+                "launch: grid x {} is not a multiple of the cluster's {cluster_x}",
+                cfg.grid_dim.0
+            )
         }
         launch_ex(func, stream, cfg, cluster_x, args)
     }
 
-    unsafe fn launch_ex(func: &CudaFunction, stream: &CudaStream, cfg: LaunchConfig, cluster_x: u32, args: &[Arg]) -> Result<()> {
+    unsafe fn launch_ex(
+        func: &CudaFunction,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        cluster_x: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let mut vals: Vec<Arg> = args.to_vec();
         let mut ptrs: Vec<*mut c_void> = vals
             .iter_mut()
@@ -96,7 +115,8 @@ mod cuda {
         let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
         let mut n = 0;
         if pdl_enabled() {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
             n += 1;
         }
@@ -119,9 +139,14 @@ mod cuda {
             attrs: attrs.as_mut_ptr(),
             numAttrs: n as u32,
         };
-        sys::cuLaunchKernelEx(&lc, func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut())
-            .result()
-            .map_err(launch_err)
+        sys::cuLaunchKernelEx(
+            &lc,
+            func.cu_function(),
+            ptrs.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
+        .map_err(launch_err)
     }
 
     /// The device address of a view (and the guard that keeps cudarc's stream tracking

@@ -6,7 +6,9 @@
 //! own encoding inside fused kernels; the model calls `append_attend_decode` for one new
 //! token per sequence (one launch on CUDA), and `append` then `attend` for prompts.
 
-use crate::ops::decode::{append_decode_attention, decode_attention, rope_kv_append, Heads, StepPositions};
+use crate::ops::decode::{
+    append_decode_attention, decode_attention, rope_kv_append, Heads, StepPositions,
+};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// KV-cache formats. Parse one from a CLI string with `str::parse`.
@@ -40,7 +42,10 @@ impl std::str::FromStr for KvFormat {
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "f16" | "dense" => Ok(Self::Dense),
-            _ => candle_core::bail!("unknown kv-cache format '{s}'; supported: {}", Self::NAMES.join(", ")),
+            _ => candle_core::bail!(
+                "unknown kv-cache format '{s}'; supported: {}",
+                Self::NAMES.join(", ")
+            ),
         }
     }
 }
@@ -61,8 +66,22 @@ pub struct KvCache {
 impl KvCache {
     /// A cache for `heads` (query heads `nh` over `nkv` KV heads of `hd`), up to `max_len`
     /// tokens per sequence. Storage is allocated by the first `append` at position 0.
-    pub fn new(format: KvFormat, heads: Heads, max_len: usize, dtype: DType, device: &Device) -> Self {
-        Self { format, heads, max_len, dtype, device: device.clone(), kv: None, counters: None }
+    pub fn new(
+        format: KvFormat,
+        heads: Heads,
+        max_len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Self {
+        Self {
+            format,
+            heads,
+            max_len,
+            dtype,
+            device: device.clone(),
+            kv: None,
+            counters: None,
+        }
     }
 
     pub fn format(&self) -> KvFormat {
@@ -80,7 +99,10 @@ impl KvCache {
 
     /// Bytes held on the device.
     pub fn bytes(&self) -> usize {
-        self.kv.as_ref().map(|kv| kv.elem_count() * self.dtype.size_in_bytes()).unwrap_or(0)
+        self.kv
+            .as_ref()
+            .map(|kv| kv.elem_count() * self.dtype.size_in_bytes())
+            .unwrap_or(0)
     }
 
     /// Drop the storage (the next `append` at position 0 allocates again).
@@ -100,7 +122,12 @@ impl KvCache {
     /// A decode step's attention with its append: as [`KvCache::append`] of the one new
     /// token per sequence (`qkv` `[b, 1, ..]`) followed by [`KvCache::attend_decode`], in one
     /// launch on CUDA. Callers check [`Heads::fused_ok`] first.
-    pub fn append_attend_decode(&mut self, qkv: &Tensor, pos: usize, p: &StepPositions) -> Result<Tensor> {
+    pub fn append_attend_decode(
+        &mut self,
+        qkv: &Tensor,
+        pos: usize,
+        p: &StepPositions,
+    ) -> Result<Tensor> {
         let heads = self.heads;
         let (kv, counters) = self.storage_for(qkv, pos)?;
         append_decode_attention(qkv, kv, counters, heads, p)
@@ -127,7 +154,10 @@ impl KvCache {
             candle_core::bail!("kv cache: first append must be at position 0, got {pos}")
         };
         if kv.dims()[1] != b {
-            candle_core::bail!("kv cache: batch {b} but the cache holds batch {}", kv.dims()[1])
+            candle_core::bail!(
+                "kv cache: batch {b} but the cache holds batch {}",
+                kv.dims()[1]
+            )
         }
         Ok((kv, counters))
     }
@@ -148,11 +178,17 @@ impl KvCache {
     /// grouped onto KV heads (`nh / nkv` each) without copying the cache.
     /// Scores and softmax are in f32. Returns `[b, nh, seq, hd]`.
     pub fn attend(&self, q: &Tensor, len: usize, mask: Option<&Tensor>) -> Result<Tensor> {
-        let Some(kv) = &self.kv else { candle_core::bail!("kv cache: attend before any append") };
+        let Some(kv) = &self.kv else {
+            candle_core::bail!("kv cache: attend before any append")
+        };
         let (b, n_h, seq, hd) = q.dims4()?;
         let n_kv = self.heads.nkv;
         if n_h != self.heads.nh || hd != self.heads.hd || b != kv.dims()[1] || len > self.max_len {
-            candle_core::bail!("kv cache: q {:?} incompatible with cache {:?} at len {len}", q.shape(), kv.shape())
+            candle_core::bail!(
+                "kv cache: q {:?} incompatible with cache {:?} at len {len}",
+                q.shape(),
+                kv.shape()
+            )
         }
         let g = n_h / n_kv;
         let k = kv.get(0)?.narrow(2, 0, len)?;
@@ -195,4 +231,3 @@ pub fn causal_mask(pads: &[usize], pos: usize, seq: usize, device: &Device) -> R
     }
     Tensor::from_vec(m, (pads.len(), 1, seq, len), device)
 }
-

@@ -28,7 +28,7 @@ pub mod tokenizer;
 #[path = "../models/llama.rs"]
 pub mod llama;
 
-pub use kv_cache::{KvCache, KvFormat};
 pub use formats::WeightFormat;
+pub use kv_cache::{KvCache, KvFormat};
 pub use linear::QLinear;
 pub use llama::{Cache, Config, Llama};

@@ -20,7 +20,9 @@
 //! ```
 
 use crate::formats::dense::DenseWeights;
-use crate::formats::{Activation, Epilogue, InputEncoding, LinearWeights, Plan, QuantOptions, WeightFormat};
+use crate::formats::{
+    Activation, Epilogue, InputEncoding, LinearWeights, Plan, QuantOptions, WeightFormat,
+};
 use candle_core::{DType, Module, Result, Tensor};
 use std::sync::Arc;
 
@@ -38,7 +40,11 @@ impl QLinear {
     /// A layer over a format's weights, with an optional bias `[out]`.
     pub fn new(w: Box<dyn LinearWeights>, b: Option<Tensor>) -> Self {
         let plan = Arc::new(w.plan());
-        Self { w: Arc::from(w), b, plan }
+        Self {
+            w: Arc::from(w),
+            b,
+            plan,
+        }
     }
 
     /// From a dense weight `[out, in]` (f32, f16 or bf16) and optional bias `[out]`.
@@ -53,9 +59,18 @@ impl QLinear {
 
     /// Load `weight` (and `bias` if `bias`) of shape `[out, in]` from a `VarBuilder`,
     /// as `candle_nn::linear` / `linear_no_bias` would.
-    pub fn load(in_dim: usize, out_dim: usize, bias: bool, vb: candle_nn::VarBuilder) -> Result<Self> {
+    pub fn load(
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+        vb: candle_nn::VarBuilder,
+    ) -> Result<Self> {
         let w = vb.get((out_dim, in_dim), "weight")?;
-        let b = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
+        let b = if bias {
+            Some(vb.get(out_dim, "bias")?)
+        } else {
+            None
+        };
         Self::from_weight(w, b)
     }
 
@@ -112,7 +127,12 @@ impl QLinear {
 
     /// [`QLinear::quantize`] with the layer input's Hessian `XᵀX / count` `[in, in]` (f32)
     /// for formats that need one, and quantizer options.
-    pub fn quantize_with(&self, format: WeightFormat, hessian: Option<&Tensor>, opts: &QuantOptions) -> Result<Self> {
+    pub fn quantize_with(
+        &self,
+        format: WeightFormat,
+        hessian: Option<&Tensor>,
+        opts: &QuantOptions,
+    ) -> Result<Self> {
         if format == WeightFormat::Dense && self.format() == WeightFormat::Dense {
             return Ok(self.clone());
         }
@@ -123,8 +143,17 @@ impl QLinear {
 
     /// A layer holding its own copy of every tensor (same values, new device buffers).
     pub fn deep_copy(&self) -> Result<Self> {
-        let tensors = self.w.tensors()?.into_iter().map(|(k, t)| Ok((k, t.copy()?))).collect::<Result<_>>()?;
-        let w = self.format().spec().codec.from_tensors(self.format(), self.shape(), &tensors)?;
+        let tensors = self
+            .w
+            .tensors()?
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.copy()?)))
+            .collect::<Result<_>>()?;
+        let w = self
+            .format()
+            .spec()
+            .codec
+            .rebuild(self.format(), self.shape(), &tensors)?;
         Ok(Self::new(w, self.b.as_ref().map(Tensor::copy).transpose()?))
     }
 
@@ -141,11 +170,19 @@ impl QLinear {
     }
 
     /// `f(x as [m, k])` reshaped back to `x`'s leading dims and `out` columns.
-    fn rows(&self, x: &Tensor, out: usize, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    fn rows(
+        &self,
+        x: &Tensor,
+        out: usize,
+        f: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let (n, k) = self.shape();
         let xk = x.dim(candle_core::D::Minus1)?;
         if xk != k {
-            candle_core::bail!("QLinear: input {:?} does not end in in_dim {k} (weight [{n}, {k}])", x.shape())
+            candle_core::bail!(
+                "QLinear: input {:?} does not end in in_dim {k} (weight [{n}, {k}])",
+                x.shape()
+            )
         }
         let mut dims = x.dims().to_vec();
         if let Some(last) = dims.last_mut() {

@@ -73,21 +73,42 @@ pub struct LoadOptions<'a> {
 
 impl<'a> LoadOptions<'a> {
     /// Dense in `dtype` on `device`, no progress shown.
-    pub fn new(dtype: DType, device: &Device, quant: Option<WeightFormat>, progress: &'a mut dyn Progress) -> Self {
-        Self { dtype, device: device.clone(), quant, quant_options: QuantOptions::default(), calib: None, progress }
+    pub fn new(
+        dtype: DType,
+        device: &Device,
+        quant: Option<WeightFormat>,
+        progress: &'a mut dyn Progress,
+    ) -> Self {
+        Self {
+            dtype,
+            device: device.clone(),
+            quant,
+            quant_options: QuantOptions::default(),
+            calib: None,
+            progress,
+        }
     }
 }
 
 /// The calibration windows of `src` for `tok`, and what identifies them.
-pub fn calibration_windows(src: &CalibSource, tok: &Tokenizer) -> Result<(Vec<Vec<u32>>, CalibInfo)> {
+pub fn calibration_windows(
+    src: &CalibSource,
+    tok: &Tokenizer,
+) -> Result<(Vec<Vec<u32>>, CalibInfo)> {
     let p = &src.path;
-    let bytes = std::fs::read(p).map_err(|e| msg(format!("cannot read calibration text {}: {e}", p.display())))?;
+    let bytes = std::fs::read(p)
+        .map_err(|e| msg(format!("cannot read calibration text {}: {e}", p.display())))?;
     let text = String::from_utf8_lossy(&bytes);
-    let ids = tok.encode(text.as_ref(), false).map_err(|e| msg(format!("tokenizing {}: {e}", p.display())))?;
+    let ids = tok
+        .encode(text.as_ref(), false)
+        .map_err(|e| msg(format!("tokenizing {}: {e}", p.display())))?;
     let windows = crate::calib::windows(ids.get_ids(), &src.config)
         .map_err(|e| msg(format!("calibration text {}: {e}", p.display())))?;
     let info = CalibInfo {
-        file: p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+        file: p
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default(),
         sha256: crate::checkpoint::sha256_hex(&bytes),
         samples: src.config.samples,
         len: src.config.len,
@@ -119,8 +140,8 @@ fn eos_ids(cfg: &Config, tok: &Tokenizer) -> Vec<u32> {
 fn hf_config(dir: &Path) -> Result<Config> {
     let p = dir.join("config.json");
     let text = std::fs::read_to_string(&p).map_err(|e| msg(format!("{}: {e}", p.display())))?;
-    let cfg: stock_llama::LlamaConfig =
-        serde_json::from_str(&text).map_err(|e| msg(format!("{} is not a Llama config: {e}", p.display())))?;
+    let cfg: stock_llama::LlamaConfig = serde_json::from_str(&text)
+        .map_err(|e| msg(format!("{} is not a Llama config: {e}", p.display())))?;
     Ok(cfg.into_config(false))
 }
 
@@ -163,8 +184,8 @@ pub fn load(source: &ModelSource, opts: LoadOptions) -> Result<Loaded> {
         ModelSource::HfDir(dir) | ModelSource::Checkpoint(dir) => {
             let config = hf_config(dir)?;
             let tok_path = dir.join("tokenizer.json");
-            let tokenizer =
-                Tokenizer::from_file(&tok_path).map_err(|e| msg(format!("{}: {e}", tok_path.display())))?;
+            let tokenizer = Tokenizer::from_file(&tok_path)
+                .map_err(|e| msg(format!("{}: {e}", tok_path.display())))?;
             let (model, manifest) = match source {
                 ModelSource::Checkpoint(_) => {
                     let (m, man) = crate::checkpoint::load(dir, &config, dtype, device)?;
@@ -172,8 +193,18 @@ pub fn load(source: &ModelSource, opts: LoadOptions) -> Result<Loaded> {
                 }
                 _ => (Llama::load(hf_vb(dir, dtype, device)?, &config)?, None),
             };
-            let name = dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-            (model, config, tokenizer, chat_template_of(dir), name, manifest)
+            let name = dir
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            (
+                model,
+                config,
+                tokenizer,
+                chat_template_of(dir),
+                name,
+                manifest,
+            )
         }
     };
     let stored = match &manifest {
@@ -181,7 +212,8 @@ pub fn load(source: &ModelSource, opts: LoadOptions) -> Result<Loaded> {
         None => WeightFormat::Dense,
     };
     let format = opts.quant.unwrap_or(stored);
-    let (mut quantized, mut calibration) = (None, manifest.as_ref().and_then(|m| m.calibration.clone()));
+    let (mut quantized, mut calibration) =
+        (None, manifest.as_ref().and_then(|m| m.calibration.clone()));
     if manifest.is_some() && format != stored {
         candle_core::bail!(
             "{} holds a {stored} checkpoint; --quant {format} disagrees (leave --quant out to run it as stored)",
@@ -198,7 +230,11 @@ pub fn load(source: &ModelSource, opts: LoadOptions) -> Result<Loaded> {
             }
             (None, true) => candle_core::bail!("{format} needs calibration text (--calib FILE)"),
         };
-        let calib_cfg = opts.calib.as_ref().map(|c| c.config.clone()).unwrap_or_default();
+        let calib_cfg = opts
+            .calib
+            .as_ref()
+            .map(|c| c.config.clone())
+            .unwrap_or_default();
         let report = crate::calib::quantize_model(
             &mut model,
             &config,
@@ -211,13 +247,30 @@ pub fn load(source: &ModelSource, opts: LoadOptions) -> Result<Loaded> {
         quantized = Some(report);
     }
     let eos = eos_ids(&config, &tokenizer);
-    Ok(Loaded { model, config, tokenizer, chat_template, name, eos, format, manifest, quantized, calibration })
+    Ok(Loaded {
+        model,
+        config,
+        tokenizer,
+        chat_template,
+        name,
+        eos,
+        format,
+        manifest,
+        quantized,
+        calibration,
+    })
 }
 
 /// Stock candle on the same files: `quantized_llama` for GGUF, `llama` for a HF directory.
 pub enum StockModel {
     Quantized(Box<quantized_llama::ModelWeights>),
-    Llama { model: Box<stock_llama::Llama>, cache: Box<stock_llama::Cache>, config: Config, dtype: DType, device: Device },
+    Llama {
+        model: Box<stock_llama::Llama>,
+        cache: Box<stock_llama::Cache>,
+        config: Config,
+        dtype: DType,
+        device: Device,
+    },
 }
 
 impl StockModel {
@@ -254,7 +307,13 @@ impl StockModel {
     pub fn clear(&mut self) -> Result<()> {
         match self {
             Self::Quantized(m) => m.clear_kv_cache(),
-            Self::Llama { cache, config, dtype, device, .. } => {
+            Self::Llama {
+                cache,
+                config,
+                dtype,
+                device,
+                ..
+            } => {
                 **cache = stock_llama::Cache::new(true, *dtype, config, device)?;
             }
         }

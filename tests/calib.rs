@@ -17,24 +17,50 @@ use std::collections::HashMap;
 fn model(layers: usize) -> Result<(Llama, candle_lowbit::Config, HashMap<String, Tensor>)> {
     let cfg = tiny_config(layers);
     let w = random_weights(&cfg, 3, &Device::Cpu)?;
-    let m = Llama::load(VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu), &cfg)?;
+    let m = Llama::load(
+        VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu),
+        &cfg,
+    )?;
     Ok((m, cfg, w))
 }
 
 fn windows(n: usize, len: usize) -> Vec<Vec<u32>> {
-    (0..n).map(|i| (0..len).map(|t| ((t * 7 + i * 31 + 3) % 101) as u32).collect()).collect()
+    (0..n)
+        .map(|i| {
+            (0..len)
+                .map(|t| ((t * 7 + i * 31 + 3) % 101) as u32)
+                .collect()
+        })
+        .collect()
 }
 
 #[test]
 fn windows_are_seeded_and_inside_the_text() -> Result<()> {
     let tokens: Vec<u32> = (0..1000).collect();
-    let cfg = CalibConfig { samples: 20, len: 64, seed: 5, batch: 4 };
+    let cfg = CalibConfig {
+        samples: 20,
+        len: 64,
+        seed: 5,
+        batch: 4,
+    };
     let a = calib::windows(&tokens, &cfg)?;
     assert_eq!(a, calib::windows(&tokens, &cfg)?);
-    assert_ne!(a, calib::windows(&tokens, &CalibConfig { seed: 6, ..cfg.clone() })?);
+    assert_ne!(
+        a,
+        calib::windows(
+            &tokens,
+            &CalibConfig {
+                seed: 6,
+                ..cfg.clone()
+            }
+        )?
+    );
     for w in &a {
         assert_eq!(w.len(), 64);
-        assert!(w.windows(2).all(|p| p[1] == p[0] + 1), "a window is consecutive text");
+        assert!(
+            w.windows(2).all(|p| p[1] == p[0] + 1),
+            "a window is consecutive text"
+        );
     }
     let err = calib::windows(&tokens[..10], &cfg).unwrap_err().to_string();
     assert!(err.contains("fewer than one window of 64"), "{err}");
@@ -47,8 +73,12 @@ fn windows_are_seeded_and_inside_the_text() -> Result<()> {
 /// Rotate `x` `[b, s, n, hd]` by positions `0..s` (HF rotate-half, theta 10000).
 fn rope(x: &Tensor, hd: usize) -> Result<Tensor> {
     let s = x.dim(1)?;
-    let inv: Vec<f32> = (0..hd / 2).map(|i| 1f32 / 10_000f32.powf(2.0 * i as f32 / hd as f32)).collect();
-    let t = Tensor::arange(0u32, s as u32, &Device::Cpu)?.to_dtype(DType::F32)?.reshape((s, 1))?;
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1f32 / 10_000f32.powf(2.0 * i as f32 / hd as f32))
+        .collect();
+    let t = Tensor::arange(0u32, s as u32, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .reshape((s, 1))?;
     let th = t.matmul(&Tensor::new(inv.as_slice(), &Device::Cpu)?.reshape((1, hd / 2))?)?;
     let xt = x.transpose(1, 2)?.contiguous()?;
     Ok(candle_nn::rotary_emb::rope(&xt, &th.cos()?, &th.sin()?)?.transpose(1, 2)?)
@@ -56,24 +86,45 @@ fn rope(x: &Tensor, hd: usize) -> Result<Tensor> {
 
 /// Layer 0's four linear inputs and its K/V, computed directly from the weights with
 /// candle ops for one window `[1, s]`.
-fn direct_layer0(w: &HashMap<String, Tensor>, cfg: &candle_lowbit::Config, ids: &[u32]) -> Result<[Tensor; 7]> {
-    let (h, nh, nkv) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads);
+fn direct_layer0(
+    w: &HashMap<String, Tensor>,
+    cfg: &candle_lowbit::Config,
+    ids: &[u32],
+) -> Result<[Tensor; 7]> {
+    let (h, nh, nkv) = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    );
     let hd = h / nh;
     let s = ids.len();
     let eps = cfg.rms_norm_eps as f32;
     let p = |n: &str| w[&format!("model.layers.0.{n}.weight")].clone();
     let res = w["model.embed_tokens.weight"].index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?;
     let x0 = candle_nn::ops::rms_norm(&res, &p("input_layernorm"), eps)?;
-    let q = x0.matmul(&p("self_attn.q_proj").t()?)?.reshape((1, s, nh, hd))?;
+    let q = x0
+        .matmul(&p("self_attn.q_proj").t()?)?
+        .reshape((1, s, nh, hd))?;
     let k_pre = x0.matmul(&p("self_attn.k_proj").t()?)?;
     let v = x0.matmul(&p("self_attn.v_proj").t()?)?;
     let (qr, kr) = (rope(&q, hd)?, rope(&k_pre.reshape((1, s, nkv, hd))?, hd)?);
     let g = nh / nkv;
     let rep = |t: &Tensor| -> Result<Tensor> {
-        Ok(t.transpose(1, 2)?.unsqueeze(2)?.expand((1, nkv, g, s, hd))?.reshape((1, nh, s, hd))?)
+        Ok(t.transpose(1, 2)?
+            .unsqueeze(2)?
+            .expand((1, nkv, g, s, hd))?
+            .reshape((1, nh, s, hd))?)
     };
     let att = (qr.transpose(1, 2)?.contiguous()?.matmul(&rep(&kr)?.t()?)? / (hd as f64).sqrt())?;
-    let mask: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let mask: Vec<f32> = (0..s * s)
+        .map(|i| {
+            if i % s > i / s {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
     let att = att.broadcast_add(&Tensor::from_vec(mask, (s, s), &Device::Cpu)?)?;
     let y = candle_nn::ops::softmax_last_dim(&att)?.matmul(&rep(&v.reshape((1, s, nkv, hd))?)?)?;
     let y = y.transpose(1, 2)?.reshape((s, nh * hd))?;
@@ -99,27 +150,68 @@ fn statistics_equal_a_direct_computation() -> Result<()> {
     let (m, cfg, w) = model(2)?;
     let ws = windows(2, 11);
     let fr = vec![0.02, 0.47, 0.53, 0.98];
-    let st = calib::collect(&m, &cfg, &ws, (1, DType::F32), (vec![0, 1], fr.clone()), &mut Quiet)?;
-    let per_window: Vec<[Tensor; 7]> = ws.iter().map(|ids| direct_layer0(&w, &cfg, ids)).collect::<Result<_>>()?;
+    let st = calib::collect(
+        &m,
+        &cfg,
+        &ws,
+        (1, DType::F32),
+        (vec![0, 1], fr.clone()),
+        &mut Quiet,
+    )?;
+    let per_window: Vec<[Tensor; 7]> = ws
+        .iter()
+        .map(|ids| direct_layer0(&w, &cfg, ids))
+        .collect::<Result<_>>()?;
     for (i, slot) in Slot::ALL.into_iter().enumerate() {
-        let x = Tensor::cat(&per_window.iter().map(|d| d[i].clone()).collect::<Vec<_>>(), 0)?;
+        let x = Tensor::cat(
+            &per_window.iter().map(|d| d[i].clone()).collect::<Vec<_>>(),
+            0,
+        )?;
         let s = &st.inputs[&(0, slot)];
         assert_eq!(s.count, 22, "{slot:?}");
         let tol = 1e-4;
-        assert_close(&s.sq, &x.sqr()?.sum(0)?, tol, tol, &format!("{slot:?} sum of squares"))?;
-        assert_close(&s.absmax, &x.abs()?.max(0)?, tol, tol, &format!("{slot:?} absmax"))?;
+        assert_close(
+            &s.sq,
+            &x.sqr()?.sum(0)?,
+            tol,
+            tol,
+            &format!("{slot:?} sum of squares"),
+        )?;
+        assert_close(
+            &s.absmax,
+            &x.abs()?.max(0)?,
+            tol,
+            tol,
+            &format!("{slot:?} absmax"),
+        )?;
         let xtx = s.xtx.as_ref().expect("full XᵀX asked for layer 0");
         assert_close(xtx, &x.t()?.matmul(&x)?, tol, tol, &format!("{slot:?} XᵀX"))?;
-        assert_close(&s.hessian()?, &(x.t()?.matmul(&x)? / 22.0)?, tol, tol, &format!("{slot:?} H"))?;
+        assert_close(
+            &s.hessian()?,
+            &(x.t()?.matmul(&x)? / 22.0)?,
+            tol,
+            tol,
+            &format!("{slot:?} H"),
+        )?;
     }
     assert!(st.inputs[&(1, Slot::Down)].xtx.is_some());
     let q = &st.kv[0];
     assert_eq!(q.passes, 2);
-    for (j, got) in [&q.k_pre_rope, &q.k_post_rope, &q.v].into_iter().enumerate() {
+    for (j, got) in [&q.k_pre_rope, &q.k_post_rope, &q.v]
+        .into_iter()
+        .enumerate()
+    {
         for (fi, &f) in fr.iter().enumerate() {
-            let want: f64 =
-                per_window.iter().map(|d| Ok(calib::quantile(&sorted(&d[4 + j])?, f))).sum::<Result<f64>>()? / 2.0;
-            assert!((got[fi] - want).abs() < 1e-4, "kv {j} quantile {f}: {} vs {want}", got[fi]);
+            let want: f64 = per_window
+                .iter()
+                .map(|d| Ok(calib::quantile(&sorted(&d[4 + j])?, f)))
+                .sum::<Result<f64>>()?
+                / 2.0;
+            assert!(
+                (got[fi] - want).abs() < 1e-4,
+                "kv {j} quantile {f}: {} vs {want}",
+                got[fi]
+            );
         }
     }
     assert_eq!(st.kv.len(), 2);
@@ -133,13 +225,25 @@ fn sequential_quantization_matches_the_steps_by_hand() -> Result<()> {
     let (mut a, cfg, _) = model(2)?;
     let (mut b, _, _) = model(2)?;
     let ws = windows(4, 16);
-    let cc = CalibConfig { samples: 4, len: 16, seed: 0, batch: 2 };
+    let cc = CalibConfig {
+        samples: 4,
+        len: 16,
+        seed: 0,
+        batch: 2,
+    };
     let opts = QuantOptions::default();
     let f = WeightFormat::Int3Gptq;
     let report = calib::quantize_model(&mut a, &cfg, f, &opts, (&ws, &cc), DType::F32, &mut Quiet)?;
     assert_eq!(report.tokens, 64);
     for layer in 0..2 {
-        let st = calib::collect(&b, &cfg, &ws, (2, DType::F32), (vec![layer], vec![]), &mut Quiet)?;
+        let st = calib::collect(
+            &b,
+            &cfg,
+            &ws,
+            (2, DType::F32),
+            (vec![layer], vec![]),
+            &mut Quiet,
+        )?;
         for slot in Slot::ALL {
             let h = st.inputs[&(layer, slot)].hessian()?;
             let q = b.linear(layer, slot)?.quantize_with(f, Some(&h), &opts)?;
@@ -148,9 +252,15 @@ fn sequential_quantization_matches_the_steps_by_hand() -> Result<()> {
     }
     for layer in 0..2 {
         for slot in Slot::ALL {
-            let (ta, tb) = (a.linear(layer, slot)?.weights().tensors()?, b.linear(layer, slot)?.weights().tensors()?);
+            let (ta, tb) = (
+                a.linear(layer, slot)?.weights().tensors()?,
+                b.linear(layer, slot)?.weights().tensors()?,
+            );
             for ((name, x), (_, y)) in ta.iter().zip(&tb) {
-                let (x, y) = (x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                let (x, y) = (
+                    x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                    y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                );
                 assert!(x == y, "layer {layer} {slot:?} {name} differs");
             }
         }
@@ -160,11 +270,23 @@ fn sequential_quantization_matches_the_steps_by_hand() -> Result<()> {
     // The quantized model still predicts something like the dense one.
     let (dense, _, _) = model(2)?;
     let ids = Tensor::new(ws[0].as_slice(), &Device::Cpu)?.unsqueeze(0)?;
-    let mut c1 = candle_lowbit::Cache::with_capacity(16, candle_lowbit::KvFormat::Dense, DType::F32, &cfg, &Device::Cpu)?;
+    let mut c1 = candle_lowbit::Cache::with_capacity(
+        16,
+        candle_lowbit::KvFormat::Dense,
+        DType::F32,
+        &cfg,
+        &Device::Cpu,
+    )?;
     let mut c2 = c1.clone();
-    let (la, ld) = (a.forward_all(&ids, 0, &mut c1)?, dense.forward_all(&ids, 0, &mut c2)?);
-    let cos = (la.flatten_all()? * ld.flatten_all()?)?.sum_all()?.to_scalar::<f32>()?
-        / (la.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()? * ld.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?);
+    let (la, ld) = (
+        a.forward_all(&ids, 0, &mut c1)?,
+        dense.forward_all(&ids, 0, &mut c2)?,
+    );
+    let cos = (la.flatten_all()? * ld.flatten_all()?)?
+        .sum_all()?
+        .to_scalar::<f32>()?
+        / (la.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?
+            * ld.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?);
     assert!(cos > 0.9, "int3-gptq logits' cosine to dense {cos}");
     Ok(())
 }
@@ -175,13 +297,29 @@ fn sequential_quantization_matches_the_steps_by_hand() -> Result<()> {
 fn rtn_needs_no_windows_and_gptq_needs_calibration() -> Result<()> {
     let (mut m, cfg, _) = model(1)?;
     let cc = CalibConfig::default();
-    calib::quantize_model(&mut m, &cfg, WeightFormat::Int4, &QuantOptions::default(), (&[], &cc), DType::F32, &mut Quiet)?;
+    calib::quantize_model(
+        &mut m,
+        &cfg,
+        WeightFormat::Int4,
+        &QuantOptions::default(),
+        (&[], &cc),
+        DType::F32,
+        &mut Quiet,
+    )?;
     assert_eq!(m.linear(0, Slot::Down)?.format(), WeightFormat::Int4);
     let err = m.quantize(WeightFormat::Int2Gptq).unwrap_err().to_string();
     assert!(err.contains("needs calibration"), "{err}");
-    let err = calib::quantize_model(&mut m, &cfg, WeightFormat::Int2Gptq, &QuantOptions::default(), (&[], &cc), DType::F32, &mut Quiet)
-        .unwrap_err()
-        .to_string();
+    let err = calib::quantize_model(
+        &mut m,
+        &cfg,
+        WeightFormat::Int2Gptq,
+        &QuantOptions::default(),
+        (&[], &cc),
+        DType::F32,
+        &mut Quiet,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("no windows"), "{err}");
     Ok(())
 }

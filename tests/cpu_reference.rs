@@ -6,17 +6,31 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_lowbit::kv_cache::causal_mask;
-use candle_lowbit::ops::{add_rms_norm, advance_pos, embed_gather, gemv, gemv_silu_mul, silu_mul, Heads, StepPositions};
+use candle_lowbit::ops::{
+    add_rms_norm, advance_pos, embed_gather, gemv, gemv_silu_mul, silu_mul, Heads, StepPositions,
+};
 use candle_lowbit::{KvCache, KvFormat, QLinear};
 use common::{assert_close, randn};
 
-const SHAPES: &[(usize, usize)] = &[(1, 1), (1, 576), (2, 33), (3, 64), (7, 1000), (17, 576), (300, 129)];
+const SHAPES: &[(usize, usize)] = &[
+    (1, 1),
+    (1, 576),
+    (2, 33),
+    (3, 64),
+    (7, 1000),
+    (17, 576),
+    (300, 129),
+];
 
 /// The fused op against the unfused candle ops it replaces.
 #[test]
 fn add_rms_norm_matches_unfused() -> Result<()> {
     let dev = Device::Cpu;
-    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
+    for (dtype, tol) in [
+        (DType::F32, 1e-5f32),
+        (DType::F16, 2e-3),
+        (DType::BF16, 1.6e-2),
+    ] {
         for (seed, &(rows, h)) in SHAPES.iter().enumerate() {
             let x = randn(seed as u64, &[rows, h], 1.0, dtype, &dev)?;
             let res = randn(100 + seed as u64, &[rows, h], 3.0, dtype, &dev)?;
@@ -24,8 +38,20 @@ fn add_rms_norm_matches_unfused() -> Result<()> {
             let (sum, norm) = add_rms_norm(&x, &res, &w, 1e-5)?;
             let want_sum = (&x + &res)?;
             let want_norm = candle_nn::ops::rms_norm(&want_sum, &w, 1e-5)?;
-            assert_close(&sum, &want_sum, 0.0, 0.0, &format!("sum {dtype:?} {rows}x{h}"))?;
-            assert_close(&norm, &want_norm, tol, tol, &format!("norm {dtype:?} {rows}x{h}"))?;
+            assert_close(
+                &sum,
+                &want_sum,
+                0.0,
+                0.0,
+                &format!("sum {dtype:?} {rows}x{h}"),
+            )?;
+            assert_close(
+                &norm,
+                &want_norm,
+                tol,
+                tol,
+                &format!("norm {dtype:?} {rows}x{h}"),
+            )?;
         }
     }
     Ok(())
@@ -54,9 +80,17 @@ fn qlinear_dense_matches_candle_linear() -> Result<()> {
     let q = QLinear::from_linear(&lin)?;
     for shape in [vec![3, 65], vec![2, 5, 65], vec![1, 2, 3, 65]] {
         let x = randn(3, &shape, 1.0, DType::F32, &dev)?;
-        assert_close(&q.forward(&x)?, &lin.forward(&x)?, 1e-5, 1e-5, "dense forward")?;
+        assert_close(
+            &q.forward(&x)?,
+            &lin.forward(&x)?,
+            1e-5,
+            1e-5,
+            "dense forward",
+        )?;
     }
-    let err = q.forward(&randn(4, &[3, 64], 1.0, DType::F32, &dev)?).unwrap_err();
+    let err = q
+        .forward(&randn(4, &[3, 64], 1.0, DType::F32, &dev)?)
+        .unwrap_err();
     assert!(err.to_string().contains("in_dim 65"), "{err}");
     Ok(())
 }
@@ -89,7 +123,9 @@ fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) ->
     let g = n_h / k.dim(1)?;
     let rep = |t: &Tensor| -> Result<Tensor> {
         let (b, n, l, d) = t.dims4()?;
-        Ok(t.unsqueeze(2)?.expand((b, n, g, l, d))?.reshape((b, n * g, l, d))?)
+        Ok(t.unsqueeze(2)?
+            .expand((b, n, g, l, d))?
+            .reshape((b, n * g, l, d))?)
     };
     let att = (q.matmul(&rep(k)?.t()?)? / (hd as f64).sqrt())?;
     let att = match mask {
@@ -99,15 +135,28 @@ fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) ->
     Ok(candle_nn::ops::softmax_last_dim(&att)?.matmul(&rep(v)?)?)
 }
 
-const HEADS: Heads = Heads { nh: 6, nkv: 2, hd: 16 };
+const HEADS: Heads = Heads {
+    nh: 6,
+    nkv: 2,
+    hd: 16,
+};
 
 fn positions(pads: &[u32], pos: u32, max_pos: usize) -> Result<StepPositions> {
     let dev = Device::Cpu;
     let half = HEADS.hd / 2;
-    let freqs: Vec<f32> = (0..half).map(|i| 1f32 / 10_000f32.powf(2.0 * i as f32 / HEADS.hd as f32)).collect();
-    let t = Tensor::arange(0u32, max_pos as u32, &dev)?.to_dtype(DType::F32)?.reshape((max_pos, 1))?;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| 1f32 / 10_000f32.powf(2.0 * i as f32 / HEADS.hd as f32))
+        .collect();
+    let t = Tensor::arange(0u32, max_pos as u32, &dev)?
+        .to_dtype(DType::F32)?
+        .reshape((max_pos, 1))?;
     let theta = t.matmul(&Tensor::new(freqs.as_slice(), &dev)?.reshape((1, half))?)?;
-    Ok(StepPositions { cos: theta.cos()?, sin: theta.sin()?, pos: Tensor::new(&[pos], &dev)?, pads: Tensor::new(pads, &dev)? })
+    Ok(StepPositions {
+        cos: theta.cos()?,
+        sin: theta.sin()?,
+        pos: Tensor::new(&[pos], &dev)?,
+        pads: Tensor::new(pads, &dev)?,
+    })
 }
 
 /// `[b, seq, (nh + 2 nkv) hd]` -> rotated q `[b, nh, seq, hd]`, rotated k and v `[b, nkv, seq, hd]`,
@@ -116,7 +165,11 @@ fn split_rotate(qkv: &Tensor, p: &StepPositions, pos: usize) -> Result<(Tensor, 
     let (b, seq, _) = qkv.dims3()?;
     let Heads { nh, nkv, hd } = HEADS;
     let part = |start: usize, n: usize| -> Result<Tensor> {
-        Ok(qkv.narrow(2, start * hd, n * hd)?.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()?)
+        Ok(qkv
+            .narrow(2, start * hd, n * hd)?
+            .reshape((b, seq, n, hd))?
+            .transpose(1, 2)?
+            .contiguous()?)
     };
     let (cos, sin) = (p.cos.narrow(0, pos, seq)?, p.sin.narrow(0, pos, seq)?);
     let q = candle_nn::rotary_emb::rope(&part(0, nh)?, &cos, &sin)?;
@@ -136,13 +189,25 @@ fn kv_cache_append_and_attend() -> Result<()> {
     let (q0, k0, v0) = split_rotate(&qkv0, &positions(&[0, 0], 0, 40)?, 0)?;
     let mask = causal_mask(&[0, 0], 0, 5, &dev)?;
     let want = naive_attention(&q0, &k0, &v0, Some(&mask))?;
-    assert_close(&cache.attend(&q0, 5, Some(&mask))?, &want, 1e-5, 1e-5, "prefill attention")?;
+    assert_close(
+        &cache.attend(&q0, 5, Some(&mask))?,
+        &want,
+        1e-5,
+        1e-5,
+        "prefill attention",
+    )?;
     // Three decode steps at positions 5, 6, 7 through the fused decode attention.
     let (mut ks, mut vs) = (vec![k0], vec![v0]);
     for step in 0..3usize {
         let pos = 5 + step;
         let p = positions(&[0, 0], pos as u32, 40)?;
-        let qkv = randn(10 + step as u64, &[b, 1, HEADS.qkv_width()], 1.0, DType::F32, &dev)?;
+        let qkv = randn(
+            10 + step as u64,
+            &[b, 1, HEADS.qkv_width()],
+            1.0,
+            DType::F32,
+            &dev,
+        )?;
         let (q, k, v) = split_rotate(&qkv, &p, pos)?;
         ks.push(k);
         vs.push(v);
@@ -157,7 +222,10 @@ fn kv_cache_append_and_attend() -> Result<()> {
         };
         assert_close(&got, &want, 1e-5, 1e-5, &format!("decode step {step}"))?;
     }
-    let err = cache.append(&qkv0, 38, &positions(&[0, 0], 38, 40)?).unwrap_err().to_string();
+    let err = cache
+        .append(&qkv0, 38, &positions(&[0, 0], 38, 40)?)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("capacity of 40"), "{err}");
     Ok(())
 }
@@ -168,11 +236,25 @@ fn decode_ops_match_candle() -> Result<()> {
     let dev = Device::Cpu;
     let gu = randn(3, &[3, 2, 2 * 37], 2.0, DType::F32, &dev)?;
     let (g, u) = (gu.narrow(2, 0, 37)?, gu.narrow(2, 37, 37)?);
-    assert_close(&silu_mul(&gu)?, &(candle_nn::ops::silu(&g)? * u)?, 1e-6, 1e-6, "silu_mul")?;
+    assert_close(
+        &silu_mul(&gu)?,
+        &(candle_nn::ops::silu(&g)? * u)?,
+        1e-6,
+        1e-6,
+        "silu_mul",
+    )?;
     let table = randn(4, &[11, 9], 1.0, DType::F16, &dev)?;
     let ids = Tensor::new(&[3u32, 0, 10, 3], &dev)?;
-    assert_close(&embed_gather(&table, &ids)?, &table.index_select(&ids, 0)?, 0.0, 0.0, "embed_gather")?;
-    let err = embed_gather(&table, &Tensor::new(&[11u32], &dev)?).unwrap_err().to_string();
+    assert_close(
+        &embed_gather(&table, &ids)?,
+        &table.index_select(&ids, 0)?,
+        0.0,
+        0.0,
+        "embed_gather",
+    )?;
+    let err = embed_gather(&table, &Tensor::new(&[11u32], &dev)?)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("out of range"), "{err}");
     let pos = Tensor::new(&[7u32], &dev)?;
     advance_pos(&pos, 3)?;
@@ -185,23 +267,58 @@ fn decode_ops_match_candle() -> Result<()> {
 #[test]
 fn gemv_references() -> Result<()> {
     let dev = Device::Cpu;
-    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
-        for (si, &(m, n, k)) in [(1usize, 37usize, 64usize), (3, 10, 576), (8, 6, 8)].iter().enumerate() {
+    for (dtype, tol) in [
+        (DType::F32, 1e-5f32),
+        (DType::F16, 2e-3),
+        (DType::BF16, 1.6e-2),
+    ] {
+        for (si, &(m, n, k)) in [(1usize, 37usize, 64usize), (3, 10, 576), (8, 6, 8)]
+            .iter()
+            .enumerate()
+        {
             let x = randn(80 + si as u64, &[m, k], 1.0, dtype, &dev)?;
-            let w = randn(90 + si as u64, &[2 * n, k], 1.0 / (k as f32).sqrt(), dtype, &dev)?;
+            let w = randn(
+                90 + si as u64,
+                &[2 * n, k],
+                1.0 / (k as f32).sqrt(),
+                dtype,
+                &dev,
+            )?;
             let y = gemv(&x, &w, dtype)?;
-            let mm = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
-            assert_close(&y.to_dtype(DType::F32)?, &mm, tol, tol, &format!("gemv {dtype:?} m{m} n{} k{k}", 2 * n))?;
+            let mm = x
+                .to_dtype(DType::F32)?
+                .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+            assert_close(
+                &y.to_dtype(DType::F32)?,
+                &mm,
+                tol,
+                tol,
+                &format!("gemv {dtype:?} m{m} n{} k{k}", 2 * n),
+            )?;
             let fused = gemv_silu_mul(&x, &w)?;
-            assert_close(&fused, &silu_mul(&y)?, 0.0, 0.0, &format!("gemv_silu_mul {dtype:?} m{m} n{n} k{k}"))?;
+            assert_close(
+                &fused,
+                &silu_mul(&y)?,
+                0.0,
+                0.0,
+                &format!("gemv_silu_mul {dtype:?} m{m} n{n} k{k}"),
+            )?;
         }
     }
     let x = randn(1, &[1, 64], 1.0, DType::F32, &dev)?;
-    let err = gemv_silu_mul(&x, &randn(2, &[7, 64], 1.0, DType::F32, &dev)?).unwrap_err().to_string();
+    let err = gemv_silu_mul(&x, &randn(2, &[7, 64], 1.0, DType::F32, &dev)?)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("even"), "{err}");
-    let op = candle_lowbit::ops::Gemv { out: DType::F32, silu_mul: true };
+    let op = candle_lowbit::ops::Gemv {
+        out: DType::F32,
+        silu_mul: true,
+    };
     let xh = x.to_dtype(DType::F16)?;
-    let err = xh.apply_op2_no_bwd(&randn(3, &[8, 64], 1.0, DType::F16, &dev)?, &op).unwrap_err().to_string();
+    let err = xh
+        .apply_op2_no_bwd(&randn(3, &[8, 64], 1.0, DType::F16, &dev)?, &op)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("must be the input's"), "{err}");
     Ok(())
 }

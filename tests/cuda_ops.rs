@@ -20,15 +20,39 @@ fn gpu() -> Result<Device> {
 #[test]
 fn add_rms_norm_cuda_matches_cpu() -> Result<()> {
     let dev = gpu()?;
-    let shapes = [(1, 1), (1, 576), (2, 33), (3, 64), (7, 1000), (17, 4096), (300, 129), (64, 11008)];
-    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::F16, 1e-3), (DType::BF16, 8e-3)] {
+    let shapes = [
+        (1, 1),
+        (1, 576),
+        (2, 33),
+        (3, 64),
+        (7, 1000),
+        (17, 4096),
+        (300, 129),
+        (64, 11008),
+    ];
+    for (dtype, tol) in [
+        (DType::F32, 1e-5f32),
+        (DType::F16, 1e-3),
+        (DType::BF16, 8e-3),
+    ] {
         for (seed, &(rows, h)) in shapes.iter().enumerate() {
             let x = randn(seed as u64, &[rows, h], 1.0, dtype, &Device::Cpu)?;
             let res = randn(50 + seed as u64, &[rows, h], 3.0, dtype, &Device::Cpu)?;
             let w = randn(90 + seed as u64, &[h], 0.2, dtype, &Device::Cpu)?.affine(1.0, 1.0)?;
             let (s_cpu, n_cpu) = add_rms_norm(&x, &res, &w, 1e-6)?;
-            let (s_gpu, n_gpu) = add_rms_norm(&x.to_device(&dev)?, &res.to_device(&dev)?, &w.to_device(&dev)?, 1e-6)?;
-            assert_close(&s_gpu.to_device(&Device::Cpu)?, &s_cpu, 0.0, 0.0, &format!("sum {dtype:?} {rows}x{h}"))?;
+            let (s_gpu, n_gpu) = add_rms_norm(
+                &x.to_device(&dev)?,
+                &res.to_device(&dev)?,
+                &w.to_device(&dev)?,
+                1e-6,
+            )?;
+            assert_close(
+                &s_gpu.to_device(&Device::Cpu)?,
+                &s_cpu,
+                0.0,
+                0.0,
+                &format!("sum {dtype:?} {rows}x{h}"),
+            )?;
             let what = format!("norm {dtype:?} {rows}x{h}");
             assert_close(&n_gpu.to_device(&Device::Cpu)?, &n_cpu, tol, tol, &what)?;
         }
@@ -45,22 +69,44 @@ fn llama_gpu_matches_cpu() -> Result<()> {
     let cpu = Device::Cpu;
     let ours_cpu = Llama::load(VarBuilder::from_tensors(w.clone(), DType::F32, &cpu), &cfg)?;
     let mut c = Cache::with_capacity(64, KvFormat::Dense, DType::F32, &cfg, &cpu)?;
-    let want = ours_cpu.forward_all(&Tensor::new(prompt.as_slice(), &cpu)?.unsqueeze(0)?, 0, &mut c)?;
+    let want = ours_cpu.forward_all(
+        &Tensor::new(prompt.as_slice(), &cpu)?.unsqueeze(0)?,
+        0,
+        &mut c,
+    )?;
     let dev = gpu()?;
-    for (dtype, tol) in [(DType::F32, 1e-3f32), (DType::F16, 3e-2), (DType::BF16, 1.5e-1)] {
-        let wd: std::collections::HashMap<_, _> =
-            w.iter().map(|(k, v)| Ok((k.clone(), v.to_device(&dev)?))).collect::<Result<_>>()?;
+    for (dtype, tol) in [
+        (DType::F32, 1e-3f32),
+        (DType::F16, 3e-2),
+        (DType::BF16, 1.5e-1),
+    ] {
+        let wd: std::collections::HashMap<_, _> = w
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.to_device(&dev)?)))
+            .collect::<Result<_>>()?;
         let m = Llama::load(VarBuilder::from_tensors(wd, dtype, &dev), &cfg)?;
         let mut c = Cache::with_capacity(64, KvFormat::Dense, dtype, &cfg, &dev)?;
-        let got = m.forward_all(&Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?, 0, &mut c)?;
+        let got = m.forward_all(
+            &Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?,
+            0,
+            &mut c,
+        )?;
         let (d, i, r) = max_abs_diff(&got.to_device(&cpu)?, &want)?;
         println!("tiny llama {dtype:?}: max |diff| {d:.2e} at {i} (ref {r:.3})");
-        assert_close(&got.to_device(&cpu)?, &want, tol, tol, &format!("logits {dtype:?}"))?;
+        assert_close(
+            &got.to_device(&cpu)?,
+            &want,
+            tol,
+            tol,
+            &format!("logits {dtype:?}"),
+        )?;
     }
     Ok(())
 }
 
-fn random_weights_on(cfg: &candle_lowbit::Config) -> Result<std::collections::HashMap<String, Tensor>> {
+fn random_weights_on(
+    cfg: &candle_lowbit::Config,
+) -> Result<std::collections::HashMap<String, Tensor>> {
     common::random_weights(cfg, 11, &Device::Cpu)
 }
 
@@ -70,14 +116,24 @@ fn random_weights_on(cfg: &candle_lowbit::Config) -> Result<std::collections::Ha
 /// quantizes activations to 8 bits; that comparison is reported by the CPU test.)
 #[test]
 fn real_model_top1_matches_quantized_llama_gpu() -> Result<()> {
-    let Some(path) = common::default_model() else { return Ok(()) };
+    let Some(path) = common::default_model() else {
+        return Ok(());
+    };
     let dev = candle_lowbit::graph::cuda_device(0)?;
     let src = candle_lowbit::model_files::ModelSource::Gguf(path);
     let loaded = common::load_dense(&src, DType::F16, &dev)?;
-    let tokens = loaded.tokenizer.encode(common::LONG_PROMPT, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let tokens = loaded
+        .tokenizer
+        .encode(common::LONG_PROMPT, false)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec();
     let mut cache = Cache::with_capacity(256, KvFormat::Dense, DType::F16, &loaded.config, &dev)?;
     let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &dev)?.unsqueeze(0)?) };
-    let ours = loaded.model.forward_all(&ids(&tokens)?, 0, &mut cache)?.i(0)?;
+    let ours = loaded
+        .model
+        .forward_all(&ids(&tokens)?, 0, &mut cache)?
+        .i(0)?;
     let (worst, mismatches) = std::thread::scope(|s| {
         s.spawn(|| {
             std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
@@ -87,19 +143,31 @@ fn real_model_top1_matches_quantized_llama_gpu() -> Result<()> {
         .map_err(|_| anyhow::anyhow!("comparison thread panicked"))?
     })?;
     println!("real model (GPU f16) vs dequantized quantized_llama: {} positions, largest |logit diff| {worst:.4}", tokens.len());
-    assert!(mismatches.is_empty(), "top-1 differs at (pos, ours, stock): {mismatches:?}");
+    assert!(
+        mismatches.is_empty(),
+        "top-1 differs at (pos, ours, stock): {mismatches:?}"
+    );
     Ok(())
 }
 
 fn tables(max_pos: usize, hd: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
     let half = hd / 2;
-    let freqs: Vec<f32> = (0..half).map(|i| 1f32 / 10_000f32.powf(2.0 * i as f32 / hd as f32)).collect();
-    let t = Tensor::arange(0u32, max_pos as u32, dev)?.to_dtype(DType::F32)?.reshape((max_pos, 1))?;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| 1f32 / 10_000f32.powf(2.0 * i as f32 / hd as f32))
+        .collect();
+    let t = Tensor::arange(0u32, max_pos as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((max_pos, 1))?;
     let theta = t.matmul(&Tensor::new(freqs.as_slice(), dev)?.reshape((1, half))?)?;
     Ok((theta.cos()?, theta.sin()?))
 }
 
-fn positions_on(pads: &[u32], pos: u32, tabs: &(Tensor, Tensor), dev: &Device) -> Result<candle_lowbit::ops::StepPositions> {
+fn positions_on(
+    pads: &[u32],
+    pos: u32,
+    tabs: &(Tensor, Tensor),
+    dev: &Device,
+) -> Result<candle_lowbit::ops::StepPositions> {
     Ok(candle_lowbit::ops::StepPositions {
         cos: tabs.0.to_device(dev)?,
         sin: tabs.1.to_device(dev)?,
@@ -116,19 +184,113 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
     use candle_lowbit::ops::{append_decode_attention, decode_attention, rope_kv_append, Heads};
     let (cpu, dev) = (Device::Cpu, gpu()?);
     let cases = [
-        (Heads { nh: 4, nkv: 4, hd: 64 }, 1, 1usize, 16usize),
-        (Heads { nh: 9, nkv: 3, hd: 64 }, 3, 37, 300),
-        (Heads { nh: 32, nkv: 8, hd: 128 }, 2, 700, 1024),
-        (Heads { nh: 8, nkv: 1, hd: 128 }, 1, 256, 600),
-        (Heads { nh: 32, nkv: 32, hd: 128 }, 1, 4095, 4096),
-        (Heads { nh: 6, nkv: 2, hd: 32 }, 2, 130, 131),
-        (Heads { nh: 8, nkv: 2, hd: 64 }, 1, 9000, 9001),
+        (
+            Heads {
+                nh: 4,
+                nkv: 4,
+                hd: 64,
+            },
+            1,
+            1usize,
+            16usize,
+        ),
+        (
+            Heads {
+                nh: 9,
+                nkv: 3,
+                hd: 64,
+            },
+            3,
+            37,
+            300,
+        ),
+        (
+            Heads {
+                nh: 32,
+                nkv: 8,
+                hd: 128,
+            },
+            2,
+            700,
+            1024,
+        ),
+        (
+            Heads {
+                nh: 8,
+                nkv: 1,
+                hd: 128,
+            },
+            1,
+            256,
+            600,
+        ),
+        (
+            Heads {
+                nh: 32,
+                nkv: 32,
+                hd: 128,
+            },
+            1,
+            4095,
+            4096,
+        ),
+        (
+            Heads {
+                nh: 6,
+                nkv: 2,
+                hd: 32,
+            },
+            2,
+            130,
+            131,
+        ),
+        (
+            Heads {
+                nh: 8,
+                nkv: 2,
+                hd: 64,
+            },
+            1,
+            9000,
+            9001,
+        ),
         // Batch 1, caches of at most 8 key chunks: merged inside a thread-block cluster (sm_90).
-        (Heads { nh: 9, nkv: 3, hd: 64 }, 1, 200, 256),
-        (Heads { nh: 32, nkv: 8, hd: 128 }, 1, 129, 160),
-        (Heads { nh: 4, nkv: 4, hd: 128 }, 1, 20, 160),
+        (
+            Heads {
+                nh: 9,
+                nkv: 3,
+                hd: 64,
+            },
+            1,
+            200,
+            256,
+        ),
+        (
+            Heads {
+                nh: 32,
+                nkv: 8,
+                hd: 128,
+            },
+            1,
+            129,
+            160,
+        ),
+        (
+            Heads {
+                nh: 4,
+                nkv: 4,
+                hd: 128,
+            },
+            1,
+            20,
+            160,
+        ),
     ];
-    for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
+    for (dtype, tol) in [
+        (DType::F32, 1e-4f32),
+        (DType::F16, 2e-3),
+        (DType::BF16, 1.6e-2),
+    ] {
         for (ci, &(heads, b, len, max_len)) in cases.iter().enumerate() {
             let tabs = tables(max_len, heads.hd, &cpu)?;
             let pads: Vec<u32> = (0..b as u32).map(|s| (s * 5).min(len as u32 - 1)).collect();
@@ -136,28 +298,54 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
             // Fill the cache with len - 1 rows (one prefill append), then one decode append.
             let mut caches = vec![];
             for d in [&cpu, &dev] {
-                caches.push(Tensor::zeros((2, b, heads.nkv, max_len, heads.hd), dtype, d)?);
+                caches.push(Tensor::zeros(
+                    (2, b, heads.nkv, max_len, heads.hd),
+                    dtype,
+                    d,
+                )?);
             }
             let pre = randn(seed + 1, &[b, len - 1, heads.qkv_width()], 1.0, dtype, &cpu)?;
             let step = randn(seed + 2, &[b, 1, heads.qkv_width()], 1.0, dtype, &cpu)?;
             let mut outs = vec![];
             for (cache, d) in caches.iter().zip([&cpu, &dev]) {
                 if len > 1 {
-                    rope_kv_append(cache, &pre.to_device(d)?, heads, &positions_on(&pads, 0, &tabs, d)?)?;
+                    rope_kv_append(
+                        cache,
+                        &pre.to_device(d)?,
+                        heads,
+                        &positions_on(&pads, 0, &tabs, d)?,
+                    )?;
                 }
                 let p = positions_on(&pads, len as u32 - 1, &tabs, d)?;
                 let counters = Tensor::zeros(b * heads.nkv, DType::U32, d)?;
                 // GPU: one launch appends and attends; CPU: rope_kv_append, decode_attention.
-                let first = append_decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
+                let first =
+                    append_decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
                 // Again without the append, reading row pos from the cache, on the same
                 // counters (the kernel must have left them at zero): bit-identical.
                 let again = decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
-                assert_eq!(counters.to_vec1::<u32>()?, vec![0; b * heads.nkv], "counters not reset");
-                assert_close(&again.to_device(&cpu)?, &first.to_device(&cpu)?, 0.0, 0.0, "second call")?;
+                assert_eq!(
+                    counters.to_vec1::<u32>()?,
+                    vec![0; b * heads.nkv],
+                    "counters not reset"
+                );
+                assert_close(
+                    &again.to_device(&cpu)?,
+                    &first.to_device(&cpu)?,
+                    0.0,
+                    0.0,
+                    "second call",
+                )?;
                 outs.push(first.to_device(&cpu)?);
             }
             let what = format!("{dtype:?} {heads:?} b{b} len{len}");
-            assert_close(&caches[1].to_device(&cpu)?, &caches[0], tol, tol, &format!("cache {what}"))?;
+            assert_close(
+                &caches[1].to_device(&cpu)?,
+                &caches[0],
+                tol,
+                tol,
+                &format!("cache {what}"),
+            )?;
             let (d, i, r) = max_abs_diff(&outs[1], &outs[0])?;
             println!("decode attention {what}: max |diff| {d:.2e} at {i} (ref {r:.3})");
             assert_close(&outs[1], &outs[0], tol, tol, &format!("attention {what}"))?;
@@ -170,14 +358,30 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
 fn small_decode_ops_cuda_match_cpu() -> Result<()> {
     use candle_lowbit::ops::{advance_pos, embed_gather, silu_mul};
     let (cpu, dev) = (Device::Cpu, gpu()?);
-    for (dtype, tol) in [(DType::F32, 1e-6f32), (DType::F16, 1e-3), (DType::BF16, 8e-3)] {
+    for (dtype, tol) in [
+        (DType::F32, 1e-6f32),
+        (DType::F16, 1e-3),
+        (DType::BF16, 8e-3),
+    ] {
         let gu = randn(7, &[5, 3, 2 * 1537], 2.0, dtype, &cpu)?;
         let want = silu_mul(&gu)?;
-        assert_close(&silu_mul(&gu.to_device(&dev)?)?.to_device(&cpu)?, &want, tol, tol, &format!("silu_mul {dtype:?}"))?;
+        assert_close(
+            &silu_mul(&gu.to_device(&dev)?)?.to_device(&cpu)?,
+            &want,
+            tol,
+            tol,
+            &format!("silu_mul {dtype:?}"),
+        )?;
         let table = randn(8, &[1000, 576], 1.0, dtype, &cpu)?;
         let ids = Tensor::new(&[3u32, 999, 0, 3, 512], &cpu)?;
         let got = embed_gather(&table.to_device(&dev)?, &ids.to_device(&dev)?)?.to_device(&cpu)?;
-        assert_close(&got, &embed_gather(&table, &ids)?, 0.0, 0.0, &format!("embed_gather {dtype:?}"))?;
+        assert_close(
+            &got,
+            &embed_gather(&table, &ids)?,
+            0.0,
+            0.0,
+            &format!("embed_gather {dtype:?}"),
+        )?;
     }
     let pos = Tensor::new(&[41u32], &dev)?;
     advance_pos(&pos, 1)?;
@@ -192,41 +396,108 @@ fn small_decode_ops_cuda_match_cpu() -> Result<()> {
 fn gemv_cuda_matches_cpu() -> Result<()> {
     use candle_lowbit::ops::gemv;
     let (cpu, dev) = (Device::Cpu, gpu()?);
-    let shapes = [(1usize, 1001usize, 584usize), (1, 2053, 4096), (1, 1030, 11008), (2, 64, 4096), (3, 333, 1000), (5, 17, 11008), (8, 4097, 576), (7, 3, 8)];
-    for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::F16, 2e-3), (DType::BF16, 1.6e-2)] {
+    let shapes = [
+        (1usize, 1001usize, 584usize),
+        (1, 2053, 4096),
+        (1, 1030, 11008),
+        (2, 64, 4096),
+        (3, 333, 1000),
+        (5, 17, 11008),
+        (8, 4097, 576),
+        (7, 3, 8),
+    ];
+    for (dtype, tol) in [
+        (DType::F32, 1e-4f32),
+        (DType::F16, 2e-3),
+        (DType::BF16, 1.6e-2),
+    ] {
         for (si, &(m, n, k)) in shapes.iter().enumerate() {
             let x = randn(50 + si as u64, &[m, k], 1.0, dtype, &cpu)?;
-            let w = randn(60 + si as u64, &[n, k], 1.0 / (k as f32).sqrt(), dtype, &cpu)?;
+            let w = randn(
+                60 + si as u64,
+                &[n, k],
+                1.0 / (k as f32).sqrt(),
+                dtype,
+                &cpu,
+            )?;
             for out in [dtype, DType::F32] {
                 let want = gemv(&x, &w, out)?;
                 let got = gemv(&x.to_device(&dev)?, &w.to_device(&dev)?, out)?.to_device(&cpu)?;
                 let what = format!("gemv {dtype:?}->{out:?} m{m} n{n} k{k}");
                 assert_close(&got, &want, tol, tol, &what)?;
-                let mm = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
-                assert_close(&got.to_dtype(DType::F32)?, &mm, tol, tol, &format!("{what} vs matmul"))?;
+                let mm = x
+                    .to_dtype(DType::F32)?
+                    .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+                assert_close(
+                    &got.to_dtype(DType::F32)?,
+                    &mm,
+                    tol,
+                    tol,
+                    &format!("{what} vs matmul"),
+                )?;
             }
         }
     }
     // Gate/up with SiLU·mul fused: against its CPU reference, and bit for bit against the
     // unfused pair on the GPU.
     use candle_lowbit::ops::{gemv_silu_mul, silu_mul};
-    for (dtype, tol) in [(DType::F32, 1e-4f32), (DType::F16, 4e-3), (DType::BF16, 3e-2)] {
-        for (si, &(m, n, k)) in [(1usize, 1001usize, 584usize), (1, 2752, 4096), (3, 333, 1000), (8, 17, 11008)].iter().enumerate() {
+    for (dtype, tol) in [
+        (DType::F32, 1e-4f32),
+        (DType::F16, 4e-3),
+        (DType::BF16, 3e-2),
+    ] {
+        for (si, &(m, n, k)) in [
+            (1usize, 1001usize, 584usize),
+            (1, 2752, 4096),
+            (3, 333, 1000),
+            (8, 17, 11008),
+        ]
+        .iter()
+        .enumerate()
+        {
             let x = randn(100 + si as u64, &[m, k], 1.0, dtype, &cpu)?;
-            let w = randn(110 + si as u64, &[2 * n, k], 1.0 / (k as f32).sqrt(), dtype, &cpu)?;
+            let w = randn(
+                110 + si as u64,
+                &[2 * n, k],
+                1.0 / (k as f32).sqrt(),
+                dtype,
+                &cpu,
+            )?;
             let what = format!("gemv_silu_mul {dtype:?} m{m} n{n} k{k}");
             let (xg, wg) = (x.to_device(&dev)?, w.to_device(&dev)?);
             let got = gemv_silu_mul(&xg, &wg)?;
-            assert_close(&got.to_device(&cpu)?, &gemv_silu_mul(&x, &w)?, tol, tol, &what)?;
+            assert_close(
+                &got.to_device(&cpu)?,
+                &gemv_silu_mul(&x, &w)?,
+                tol,
+                tol,
+                &what,
+            )?;
             let pair = silu_mul(&gemv(&xg, &wg, dtype)?)?;
-            assert_close(&got.to_device(&cpu)?, &pair.to_device(&cpu)?, 0.0, 0.0, &format!("{what} vs the pair"))?;
+            assert_close(
+                &got.to_device(&cpu)?,
+                &pair.to_device(&cpu)?,
+                0.0,
+                0.0,
+                &format!("{what} vs the pair"),
+            )?;
         }
     }
     // Not taken as is: a misaligned view and too many rows.
     let x = randn(70, &[9, 64], 1.0, DType::F16, &dev)?;
     let w = randn(71, &[32, 64], 1.0, DType::F16, &dev)?;
     assert!(gemv(&x, &w, DType::F16).is_err());
-    assert!(gemv(&x.narrow(1, 1, 56)?.contiguous()?.narrow(0, 0, 1)?, &w.narrow(1, 0, 56)?.contiguous()?, DType::F16).is_ok());
-    assert!(gemv(&x.flatten_all()?.narrow(0, 1, 64)?.reshape((1, 64))?, &w, DType::F16).is_err());
+    assert!(gemv(
+        &x.narrow(1, 1, 56)?.contiguous()?.narrow(0, 0, 1)?,
+        &w.narrow(1, 0, 56)?.contiguous()?,
+        DType::F16
+    )
+    .is_ok());
+    assert!(gemv(
+        &x.flatten_all()?.narrow(0, 1, 64)?.reshape((1, 64))?,
+        &w,
+        DType::F16
+    )
+    .is_err());
     Ok(())
 }

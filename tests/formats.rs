@@ -13,7 +13,9 @@ use candle_lowbit::{QLinear, WeightFormat};
 use common::{assert_close, randn};
 
 fn rel_err(y: &Tensor, want: &Tensor) -> Result<f32> {
-    Ok(((y - want)?.sqr()?.sum_all()?.to_scalar::<f32>()? / want.sqr()?.sum_all()?.to_scalar::<f32>()?).sqrt())
+    Ok(((y - want)?.sqr()?.sum_all()?.to_scalar::<f32>()?
+        / want.sqr()?.sum_all()?.to_scalar::<f32>()?)
+    .sqrt())
 }
 
 #[test]
@@ -25,7 +27,12 @@ fn registry_names_parse_and_say_what_they_need() -> Result<()> {
             assert_eq!(a.parse::<WeightFormat>()?, *f, "alias {a}");
         }
         assert!(s.error_bound > 0.0 && s.tolerance > 0.0, "{}", s.name);
-        assert_eq!(f.needs_calibration(), s.name.ends_with("-gptq"), "{}", s.name);
+        assert_eq!(
+            f.needs_calibration(),
+            s.name.ends_with("-gptq"),
+            "{}",
+            s.name
+        );
         if let Some(twin) = s.stores_as {
             assert_eq!(format!("{}-gptq", twin.name()), s.name);
         }
@@ -33,13 +40,28 @@ fn registry_names_parse_and_say_what_they_need() -> Result<()> {
     assert_eq!("Q4K".parse::<WeightFormat>()?, WeightFormat::Q4K);
     assert_eq!("dense".parse::<WeightFormat>()?, WeightFormat::Dense);
     let err = "int5".parse::<WeightFormat>().unwrap_err().to_string();
-    assert!(err.contains("int5") && err.contains("int3-gptq") && err.contains("q2k"), "{err}");
+    assert!(
+        err.contains("int5") && err.contains("int3-gptq") && err.contains("q2k"),
+        "{err}"
+    );
     let timed: Vec<_> = WeightFormat::timed().collect();
     assert!(timed.contains(&WeightFormat::Int3) && !timed.contains(&WeightFormat::Int3Gptq));
-    assert_eq!(ggml::ggml_dtype(WeightFormat::Q4K, 512), Some((G::Q4K, false)));
-    assert_eq!(ggml::ggml_dtype(WeightFormat::Q4K, 576), Some((G::Q5_0, true)));
-    assert_eq!(ggml::ggml_dtype(WeightFormat::Q2K, 576), Some((G::Q4_0, true)));
-    assert_eq!(ggml::ggml_dtype(WeightFormat::Q4_0, 576), Some((G::Q4_0, false)));
+    assert_eq!(
+        ggml::ggml_dtype(WeightFormat::Q4K, 512),
+        Some((G::Q4K, false))
+    );
+    assert_eq!(
+        ggml::ggml_dtype(WeightFormat::Q4K, 576),
+        Some((G::Q5_0, true))
+    );
+    assert_eq!(
+        ggml::ggml_dtype(WeightFormat::Q2K, 576),
+        Some((G::Q4_0, true))
+    );
+    assert_eq!(
+        ggml::ggml_dtype(WeightFormat::Q4_0, 576),
+        Some((G::Q4_0, false))
+    );
     assert_eq!(ggml::ggml_dtype(WeightFormat::Int4, 576), None);
     Ok(())
 }
@@ -70,7 +92,11 @@ fn ggml_formats_match_qmatmul() -> Result<()> {
         let want = candle_core::quantized::QMatMul::from_qtensor(qt)?.forward(&x)?;
         assert_close(&y, &want, 1e-6, 1e-6, &format!("{fmt} vs QMatMul"))?;
         let rel = rel_err(&y, &exact)?;
-        assert!((rel as f64) < fmt.spec().error_bound, "{fmt}: relative error {rel} over {}", fmt.spec().error_bound);
+        assert!(
+            (rel as f64) < fmt.spec().error_bound,
+            "{fmt}: relative error {rel} over {}",
+            fmt.spec().error_bound
+        );
     }
     Ok(())
 }
@@ -81,18 +107,36 @@ fn ggml_formats_match_qmatmul() -> Result<()> {
 fn uniform_pack_is_exact() -> Result<()> {
     let mut seed = 7u64;
     let mut next = move || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (seed >> 33) as u8
     };
     for bits in [2u32, 3, 4] {
-        for &(n, k) in &[(1usize, 1usize), (3, 7), (2, 33), (5, 200), (4, 576), (1, 1000)] {
+        for &(n, k) in &[
+            (1usize, 1usize),
+            (3, 7),
+            (2, 33),
+            (5, 200),
+            (4, 576),
+            (1, 1000),
+        ] {
             let codes: Vec<u8> = (0..n * k).map(|_| next() & ((1 << bits) - 1)).collect();
             let words = uniform::pack(&codes, n, k, bits)?;
             assert_eq!(words.len(), n * uniform::words_per_row(k, bits));
-            assert_eq!(uniform::unpack(&words, n, k, bits), codes, "int{bits} [{n}, {k}]");
+            assert_eq!(
+                uniform::unpack(&words, n, k, bits),
+                codes,
+                "int{bits} [{n}, {k}]"
+            );
             // The op (CPU: the same reference) on a tensor.
             let t = Tensor::from_vec(codes.clone(), (n, k), &Device::Cpu)?;
-            assert_eq!(candle_lowbit::ops::uniform_pack(&t, bits)?.flatten_all()?.to_vec1::<u32>()?, words);
+            assert_eq!(
+                candle_lowbit::ops::uniform_pack(&t, bits)?
+                    .flatten_all()?
+                    .to_vec1::<u32>()?,
+                words
+            );
         }
     }
     // int3: codes 0..11 as 3-bit fields, LSB first: code 10 (= 2) takes bits 30, 31 of word 0
@@ -119,11 +163,23 @@ fn uniform_rtn_matches_scalar_reference() -> Result<()> {
         for &(n, k) in &[(1usize, 1usize), (5, 200), (3, 128), (7, 576)] {
             let w = randn(bits as u64 * 100 + k as u64, &[n, k], 0.3, DType::F32, &dev)?;
             let q = round_to_nearest(&w, &rule)?;
-            let (codes, params) = round_to_nearest_ref(&w.flatten_all()?.to_vec1::<f32>()?, n, k, &rule);
-            assert_eq!(q.codes.flatten_all()?.to_vec1::<u8>()?, codes, "int{bits} [{n}, {k}] codes");
-            assert_eq!(q.params.flatten_all()?.to_vec1::<f32>()?, params, "int{bits} [{n}, {k}] params");
-            let l = uniform::UniformWeights::from_codes(WeightFormat::Int4, bits, &q.codes, &q.params)?;
-            let deq = candle_lowbit::formats::LinearWeights::dequantize(&l)?.flatten_all()?.to_vec1::<f32>()?;
+            let (codes, params) =
+                round_to_nearest_ref(&w.flatten_all()?.to_vec1::<f32>()?, n, k, &rule);
+            assert_eq!(
+                q.codes.flatten_all()?.to_vec1::<u8>()?,
+                codes,
+                "int{bits} [{n}, {k}] codes"
+            );
+            assert_eq!(
+                q.params.flatten_all()?.to_vec1::<f32>()?,
+                params,
+                "int{bits} [{n}, {k}] params"
+            );
+            let l =
+                uniform::UniformWeights::from_codes(WeightFormat::Int4, bits, &q.codes, &q.params)?;
+            let deq = candle_lowbit::formats::LinearWeights::dequantize(&l)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             let g = uniform::groups(k);
             for (i, &v) in deq.iter().enumerate() {
                 let (r, j) = (i / k, i % k);
@@ -147,12 +203,23 @@ fn uniform_formats_error_and_bits() -> Result<()> {
     let x = randn(9, &[17, 512], 1.0, DType::F32, &dev)?;
     let w = randn(10, &[40, 512], 1.0 / (512f32).sqrt(), DType::F32, &dev)?;
     let exact = x.matmul(&w.t()?)?;
-    for (fmt, bits) in [(WeightFormat::Int4, 4.25), (WeightFormat::Int3, 3.25), (WeightFormat::Int2, 2.25)] {
+    for (fmt, bits) in [
+        (WeightFormat::Int4, 4.25),
+        (WeightFormat::Int3, 3.25),
+        (WeightFormat::Int2, 2.25),
+    ] {
         let q = QLinear::from_weight(w.clone(), None)?.quantize(fmt)?;
         assert_eq!(q.bits_per_weight(), bits, "{fmt}");
         let rel = rel_err(&q.forward(&x)?, &exact)? as f64;
-        assert!(rel < fmt.spec().error_bound, "{fmt}: relative error {rel:.4} over {}", fmt.spec().error_bound);
-        println!("{fmt}: relative error {rel:.4} (bound {})", fmt.spec().error_bound);
+        assert!(
+            rel < fmt.spec().error_bound,
+            "{fmt}: relative error {rel:.4} over {}",
+            fmt.spec().error_bound
+        );
+        println!(
+            "{fmt}: relative error {rel:.4} (bound {})",
+            fmt.spec().error_bound
+        );
     }
     // k = 576 (the default model's hidden size): 4 groups of 128 and one of 64; int3 rows
     // of 576 codes take 54 words.
@@ -166,8 +233,14 @@ fn uniform_formats_error_and_bits() -> Result<()> {
 #[test]
 fn gptq_format_without_calibration_is_an_error() -> Result<()> {
     let w = randn(1, &[8, 128], 0.1, DType::F32, &Device::Cpu)?;
-    let err = QLinear::from_weight(w, None)?.quantize(WeightFormat::Int3Gptq).unwrap_err().to_string();
-    assert!(err.contains("int3-gptq needs calibration") && err.contains("--calib"), "{err}");
+    let err = QLinear::from_weight(w, None)?
+        .quantize(WeightFormat::Int3Gptq)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("int3-gptq needs calibration") && err.contains("--calib"),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -191,19 +264,35 @@ fn every_format_round_trips_its_tensors() -> Result<()> {
             assert_eq!(t.dim(0)?, n, "{f}: field {name} must have the rows first");
         }
         let map = tensors.iter().cloned().collect();
-        let back = QLinear::new(f.spec().codec.from_tensors(f, (n, k), &map)?, None);
+        let back = QLinear::new(f.spec().codec.rebuild(f, (n, k), &map)?, None);
         let copy = q.deep_copy()?;
         assert_eq!(back.weight_bytes(), q.weight_bytes(), "{f}");
         for other in [&back, &copy] {
-            let (a, b) = (q.forward(&x)?.flatten_all()?.to_vec1::<f32>()?, other.forward(&x)?.flatten_all()?.to_vec1::<f32>()?);
-            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "{f}: rebuilt layer differs");
+            let (a, b) = (
+                q.forward(&x)?.flatten_all()?.to_vec1::<f32>()?,
+                other.forward(&x)?.flatten_all()?.to_vec1::<f32>()?,
+            );
+            assert!(
+                a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{f}: rebuilt layer differs"
+            );
         }
         let mut broken = map.clone();
         let first = tensors[0].0.clone();
         broken.remove(&first);
-        let err = f.spec().codec.from_tensors(f, (n, k), &broken).unwrap_err().to_string();
+        let err = f
+            .spec()
+            .codec
+            .rebuild(f, (n, k), &broken)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(&first), "{f}: {err}");
-        let err = f.spec().codec.from_tensors(f, (n + 1, k), &map).unwrap_err().to_string();
+        let err = f
+            .spec()
+            .codec
+            .rebuild(f, (n + 1, k), &map)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(&format!("{}", n + 1)), "{f}: {err}");
     }
     Ok(())
@@ -217,10 +306,23 @@ fn plans_name_the_paths_not_taken() -> Result<()> {
     assert!(d.plan().silu_mul.as_ref().unwrap_err().contains("CUDA"));
     let q = d.quantize(WeightFormat::Q8_0)?;
     for e in Epilogue::ALL {
-        assert!(q.plan().epilogue(e).as_ref().unwrap_err().contains("QMatMul"), "{e:?}");
+        assert!(
+            q.plan()
+                .epilogue(e)
+                .as_ref()
+                .unwrap_err()
+                .contains("QMatMul"),
+            "{e:?}"
+        );
     }
     let x = randn(2, &[3, 64], 1.0, DType::F32, &Device::Cpu)?;
     let y = d.forward_silu_mul(&x)?;
-    assert_close(&y, &candle_lowbit::ops::silu_mul(&d.forward(&x)?)?, 0.0, 0.0, "unfused silu_mul")?;
+    assert_close(
+        &y,
+        &candle_lowbit::ops::silu_mul(&d.forward(&x)?)?,
+        0.0,
+        0.0,
+        "unfused silu_mul",
+    )?;
     Ok(())
 }

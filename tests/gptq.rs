@@ -8,7 +8,9 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_lowbit::formats::uniform::{UniformRule, UniformWeights};
 use candle_lowbit::formats::LinearWeights;
-use candle_lowbit::gptq::{gptq_ref, gptq_tensor, hinv_upper, objective, round_to_nearest, GptqConfig, Quantized};
+use candle_lowbit::gptq::{
+    gptq_ref, gptq_tensor, hinv_upper, objective, round_to_nearest, GptqConfig, Quantized,
+};
 use candle_lowbit::WeightFormat;
 use common::randn;
 
@@ -16,9 +18,14 @@ use common::randn;
 fn hessian(seed: u64, k: usize, tokens: usize) -> Result<Tensor> {
     let dev = Device::Cpu;
     let z = randn(seed, &[tokens, k], 1.0, DType::F32, &dev)?;
-    let mix = (randn(seed + 1, &[k, k], 1.0 / (k as f32).sqrt(), DType::F32, &dev)? + (Tensor::eye(k, DType::F32, &dev)? * 0.3)?)?;
-    let loud: Vec<f32> = (0..k).map(|i| if i % 17 == 3 { 10.0 } else { 1.0 }).collect();
-    let x = z.matmul(&mix)?.broadcast_mul(&Tensor::new(loud.as_slice(), &dev)?)?;
+    let mix = (randn(seed + 1, &[k, k], 1.0 / (k as f32).sqrt(), DType::F32, &dev)?
+        + (Tensor::eye(k, DType::F32, &dev)? * 0.3)?)?;
+    let loud: Vec<f32> = (0..k)
+        .map(|i| if i % 17 == 3 { 10.0 } else { 1.0 })
+        .collect();
+    let x = z
+        .matmul(&mix)?
+        .broadcast_mul(&Tensor::new(loud.as_slice(), &dev)?)?;
     Ok((x.t()?.matmul(&x)? / tokens as f64)?)
 }
 
@@ -41,11 +48,24 @@ fn identity_hessian_is_round_to_nearest() -> Result<()> {
         let rule = UniformRule { bits };
         let rtn = round_to_nearest(&w, &rule)?;
         for act_order in [false, true] {
-            let cfg = GptqConfig { act_order, ..Default::default() };
-            for (what, q) in [("ref", gptq_ref(&w, &h, &rule, &cfg)?), ("tensor", gptq_tensor(&w, &h, &rule, &cfg)?)] {
+            let cfg = GptqConfig {
+                act_order,
+                ..Default::default()
+            };
+            for (what, q) in [
+                ("ref", gptq_ref(&w, &h, &rule, &cfg)?),
+                ("tensor", gptq_tensor(&w, &h, &rule, &cfg)?),
+            ] {
                 let q = q.quantized;
-                assert_eq!(codes(&q)?, codes(&rtn)?, "int{bits} {what} act_order {act_order}: codes");
-                let (a, b) = (q.params.flatten_all()?.to_vec1::<f32>()?, rtn.params.flatten_all()?.to_vec1::<f32>()?);
+                assert_eq!(
+                    codes(&q)?,
+                    codes(&rtn)?,
+                    "int{bits} {what} act_order {act_order}: codes"
+                );
+                let (a, b) = (
+                    q.params.flatten_all()?.to_vec1::<f32>()?,
+                    rtn.params.flatten_all()?.to_vec1::<f32>()?,
+                );
                 assert_eq!(a, b, "int{bits} {what} act_order {act_order}: params");
             }
         }
@@ -67,11 +87,30 @@ fn gptq_objective_below_rtn() -> Result<()> {
         let rule = UniformRule { bits };
         let rtn = objective(&w, &dequant(&round_to_nearest(&w, &rule)?, bits)?, &h)?;
         for act_order in [false, true] {
-            let cfg = GptqConfig { act_order, ..Default::default() };
-            let g = objective(&w, &dequant(&gptq_ref(&w, &h, &rule, &cfg)?.quantized, bits)?, &h)?;
-            println!("int{bits} act_order {act_order}: GPTQ objective {g:.4} = {:.3} x RTN's {rtn:.4}", g / rtn);
-            let bound = if act_order { 0.5 } else if bits > 2 { 0.9 } else { f64::INFINITY };
-            assert!(g < bound * rtn, "int{bits} act_order {act_order}: GPTQ {g} not below {bound} x RTN {rtn}");
+            let cfg = GptqConfig {
+                act_order,
+                ..Default::default()
+            };
+            let g = objective(
+                &w,
+                &dequant(&gptq_ref(&w, &h, &rule, &cfg)?.quantized, bits)?,
+                &h,
+            )?;
+            println!(
+                "int{bits} act_order {act_order}: GPTQ objective {g:.4} = {:.3} x RTN's {rtn:.4}",
+                g / rtn
+            );
+            let bound = if act_order {
+                0.5
+            } else if bits > 2 {
+                0.9
+            } else {
+                f64::INFINITY
+            };
+            assert!(
+                g < bound * rtn,
+                "int{bits} act_order {act_order}: GPTQ {g} not below {bound} x RTN {rtn}"
+            );
         }
     }
     Ok(())
@@ -88,18 +127,40 @@ fn tensor_gptq_agrees_with_reference() -> Result<()> {
     for bits in [2, 3, 4] {
         let rule = UniformRule { bits };
         for act_order in [false, true] {
-            let cfg = GptqConfig { act_order, block: 128, ..Default::default() };
-            let (a, b) = (gptq_ref(&w, &h, &rule, &cfg)?.quantized, gptq_tensor(&w, &h, &rule, &cfg)?.quantized);
+            let cfg = GptqConfig {
+                act_order,
+                block: 128,
+                ..Default::default()
+            };
+            let (a, b) = (
+                gptq_ref(&w, &h, &rule, &cfg)?.quantized,
+                gptq_tensor(&w, &h, &rule, &cfg)?.quantized,
+            );
             let (ca, cb) = (codes(&a)?, codes(&b)?);
             let differ = ca.iter().zip(&cb).filter(|(x, y)| x != y).count();
-            let worst = ca.iter().zip(&cb).map(|(x, y)| (*x as i32 - *y as i32).abs()).max().unwrap_or(0);
-            let (oa, ob) = (objective(&w, &dequant(&a, bits)?, &h)?, objective(&w, &dequant(&b, bits)?, &h)?);
+            let worst = ca
+                .iter()
+                .zip(&cb)
+                .map(|(x, y)| (*x as i32 - *y as i32).abs())
+                .max()
+                .unwrap_or(0);
+            let (oa, ob) = (
+                objective(&w, &dequant(&a, bits)?, &h)?,
+                objective(&w, &dequant(&b, bits)?, &h)?,
+            );
             println!(
                 "int{bits} act_order {act_order}: {differ} of {} codes differ (by at most {worst}); objective {oa:.5} vs {ob:.5}",
                 ca.len()
             );
-            assert!(differ * 100 <= ca.len(), "int{bits}: {differ} of {} codes differ", ca.len());
-            assert!(((oa - ob) / oa).abs() < 0.01, "int{bits}: objectives {oa} vs {ob}");
+            assert!(
+                differ * 100 <= ca.len(),
+                "int{bits}: {differ} of {} codes differ",
+                ca.len()
+            );
+            assert!(
+                ((oa - ob) / oa).abs() < 0.01,
+                "int{bits}: objectives {oa} vs {ob}"
+            );
         }
     }
     Ok(())
@@ -109,7 +170,10 @@ fn tensor_gptq_agrees_with_reference() -> Result<()> {
 #[test]
 fn hinv_upper_is_the_cholesky_factor_of_the_inverse() -> Result<()> {
     let k = 50;
-    let h = hessian(6, k, 400)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let h = hessian(6, k, 400)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
     let (u, damp) = hinv_upper(&h, k, 0.01)?;
     assert_eq!(damp, 0.01);
     let lambda = 0.01 * (0..k).map(|i| h[i * k + i]).sum::<f64>() / k as f64;
@@ -141,15 +205,28 @@ fn dead_inputs_are_zeroed() -> Result<()> {
     let h = hessian(8, k, 500)?;
     let mask: Vec<f32> = (0..k).map(|i| if i == 5 { 0.0 } else { 1.0 }).collect();
     let m = Tensor::new(mask.as_slice(), &Device::Cpu)?;
-    let h = h.broadcast_mul(&m.unsqueeze(0)?)?.broadcast_mul(&m.unsqueeze(1)?)?;
+    let h = h
+        .broadcast_mul(&m.unsqueeze(0)?)?
+        .broadcast_mul(&m.unsqueeze(1)?)?;
     let rule = UniformRule { bits: 4 };
-    for q in [gptq_ref(&w, &h, &rule, &GptqConfig::default())?, gptq_tensor(&w, &h, &rule, &GptqConfig::default())?] {
+    for q in [
+        gptq_ref(&w, &h, &rule, &GptqConfig::default())?,
+        gptq_tensor(&w, &h, &rule, &GptqConfig::default())?,
+    ] {
         let d = dequant(&q.quantized, 4)?;
         let col = d.narrow(1, 5, 1)?.flatten_all()?.to_vec1::<f32>()?;
-        let p = q.quantized.params.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
+        let p = q
+            .quantized
+            .params
+            .narrow(1, 0, 1)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         for (r, v) in col.iter().enumerate() {
             let step = p[2 * r];
-            assert!(v.abs() <= step / 2.0 + 1e-6, "row {r}: dead column dequantizes to {v} (step {step})");
+            assert!(
+                v.abs() <= step / 2.0 + 1e-6,
+                "row {r}: dead column dequantizes to {v} (step {step})"
+            );
         }
     }
     Ok(())
@@ -159,10 +236,21 @@ fn dead_inputs_are_zeroed() -> Result<()> {
 fn bad_input_is_rejected() -> Result<()> {
     let w = randn(1, &[4, 64], 0.2, DType::F32, &Device::Cpu)?;
     let rule = UniformRule { bits: 4 };
-    let err = gptq_ref(&w, &Tensor::eye(63, DType::F32, &Device::Cpu)?, &rule, &GptqConfig::default()).unwrap_err();
+    let err = gptq_ref(
+        &w,
+        &Tensor::eye(63, DType::F32, &Device::Cpu)?,
+        &rule,
+        &GptqConfig::default(),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("[64, 64]"), "{err}");
-    let cfg = GptqConfig { act_order: false, block: 96, ..Default::default() };
-    let err = gptq_tensor(&w, &Tensor::eye(64, DType::F32, &Device::Cpu)?, &rule, &cfg).unwrap_err();
+    let cfg = GptqConfig {
+        act_order: false,
+        block: 96,
+        ..Default::default()
+    };
+    let err =
+        gptq_tensor(&w, &Tensor::eye(64, DType::F32, &Device::Cpu)?, &rule, &cfg).unwrap_err();
     assert!(err.to_string().contains("multiple of the group"), "{err}");
     let neg = (Tensor::eye(64, DType::F32, &Device::Cpu)? * -1.0)?;
     let err = gptq_ref(&w, &neg, &rule, &GptqConfig::default()).unwrap_err();

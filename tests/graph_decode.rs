@@ -7,16 +7,26 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use candle_lowbit::graph::{GraphDecoder, Mode};
-use candle_lowbit::{Cache, KvFormat, Llama};
+use candle_lowbit::{Cache, KvFormat, Llama, WeightFormat};
 use candle_nn::VarBuilder;
 
 /// Prefill `prompts` (batch), then `steps` greedy decode steps through `forward` and
-/// through the decoder, asserting bit-equal logits at every step.
-fn replay_matches_eager(dev: &Device, dtype: DType, steps: usize) -> Result<Mode> {
+/// through the decoder, asserting bit-equal logits at every step; the model's layers in
+/// `format` (round to nearest).
+fn replay_matches_eager(
+    dev: &Device,
+    dtype: DType,
+    steps: usize,
+    format: WeightFormat,
+) -> Result<Mode> {
     let cfg = common::tiny_config(4);
     let w = common::random_weights(&cfg, 21, &Device::Cpu)?;
-    let w = w.into_iter().map(|(k, v)| Ok((k, v.to_device(dev)?))).collect::<Result<_>>()?;
-    let model = Llama::load(VarBuilder::from_tensors(w, dtype, dev), &cfg)?;
+    let w = w
+        .into_iter()
+        .map(|(k, v)| Ok((k, v.to_device(dev)?)))
+        .collect::<Result<_>>()?;
+    let mut model = Llama::load(VarBuilder::from_tensors(w, dtype, dev), &cfg)?;
+    model.quantize(format)?;
     let prompt = Tensor::new(&[[5u32, 9, 2, 77, 31, 8, 4], [44, 3, 1, 1, 9, 60, 2]], dev)?;
     let cap = 7 + steps + 1;
     let mut eager_cache = Cache::with_capacity(cap, KvFormat::Dense, dtype, &cfg, dev)?;
@@ -29,11 +39,23 @@ fn replay_matches_eager(dev: &Device, dtype: DType, steps: usize) -> Result<Mode
     for step in 0..steps {
         let tokens = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
         let pos = 7 + step;
-        logits = model.forward(&Tensor::new(tokens.as_slice(), dev)?.unsqueeze(1)?, pos, &mut eager_cache)?;
+        logits = model.forward(
+            &Tensor::new(tokens.as_slice(), dev)?.unsqueeze(1)?,
+            pos,
+            &mut eager_cache,
+        )?;
         let replayed = decoder.step(&model, &mut graph_cache, &tokens, pos)?;
-        let (a, b) = (logits.flatten_all()?.to_vec1::<f32>()?, replayed.flatten_all()?.to_vec1::<f32>()?);
+        let (a, b) = (
+            logits.flatten_all()?.to_vec1::<f32>()?,
+            replayed.flatten_all()?.to_vec1::<f32>()?,
+        );
         if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
-            anyhow::bail!("step {step}: logit {i} eager {} vs decoder {} ({:?})", a[i], b[i], decoder.mode());
+            anyhow::bail!(
+                "step {step}: logit {i} eager {} vs decoder {} ({:?})",
+                a[i],
+                b[i],
+                decoder.mode()
+            );
         }
     }
     Ok(decoder.mode().clone())
@@ -41,8 +63,10 @@ fn replay_matches_eager(dev: &Device, dtype: DType, steps: usize) -> Result<Mode
 
 #[test]
 fn decoder_matches_eager_cpu() -> Result<()> {
-    let mode = replay_matches_eager(&Device::Cpu, DType::F32, 24)?;
-    assert!(matches!(mode, Mode::Eager(_)), "{mode:?}");
+    for f in [WeightFormat::Dense, WeightFormat::Int4] {
+        let mode = replay_matches_eager(&Device::Cpu, DType::F32, 24, f)?;
+        assert!(matches!(mode, Mode::Eager(_)), "{f}: {mode:?}");
+    }
     Ok(())
 }
 
@@ -51,9 +75,26 @@ fn decoder_matches_eager_cpu() -> Result<()> {
 fn graph_replay_matches_eager_gpu_256_steps() -> Result<()> {
     let dev = candle_lowbit::graph::cuda_device(0)?;
     for dtype in [DType::F16, DType::F32] {
-        let mode = replay_matches_eager(&dev, dtype, 256)?;
+        let mode = replay_matches_eager(&dev, dtype, 256, WeightFormat::Dense)?;
         println!("{dtype:?}: 256 steps bit-identical, mode {mode:?}");
-        assert_eq!(mode, Mode::Graph, "{dtype:?}: the decoder did not replay a graph");
+        assert_eq!(
+            mode,
+            Mode::Graph,
+            "{dtype:?}: the decoder did not replay a graph"
+        );
+    }
+    Ok(())
+}
+
+/// Every format that says it is graph-safe replays a captured graph bit-identically to eager.
+#[cfg(feature = "cuda")]
+#[test]
+fn graph_replay_matches_eager_gpu_every_format() -> Result<()> {
+    let dev = candle_lowbit::graph::cuda_device(0)?;
+    for f in WeightFormat::timed().filter(|f| f.spec().graph_safe) {
+        let mode = replay_matches_eager(&dev, DType::F16, 64, f)?;
+        println!("{f}: 64 steps bit-identical, mode {mode:?}");
+        assert_eq!(mode, Mode::Graph, "{f}: the decoder did not replay a graph");
     }
     Ok(())
 }

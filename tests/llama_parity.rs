@@ -34,13 +34,11 @@ fn logits_match_stock_llama() -> Result<()> {
     let a = ours.forward(&ids(&prompt)?, 0, &mut c_ours)?;
     let b = theirs.forward(&ids(&prompt)?, 0, &mut c_theirs)?;
     assert_close(&a, &b, 1e-4, 1e-4, "prefill logits")?;
-    let mut pos = prompt.len();
-    for step in 0..20u32 {
+    for (pos, step) in (prompt.len()..).zip(0..20u32) {
         let t = [(step * 13 + 5) % 101];
         let a = ours.forward(&ids(&t)?, pos, &mut c_ours)?;
         let b = theirs.forward(&ids(&t)?, pos, &mut c_theirs)?;
         assert_close(&a, &b, 1e-4, 1e-4, &format!("decode step {step}"))?;
-        pos += 1;
     }
     Ok(())
 }
@@ -56,7 +54,13 @@ fn forward_all_matches_prefixes() -> Result<()> {
     for i in [0, 4, 8] {
         cache.clear();
         let last = ours.forward(&ids(&prompt[..=i])?, 0, &mut cache)?;
-        assert_close(&all.i((.., i, ..))?, &last, 1e-5, 1e-5, &format!("position {i}"))?;
+        assert_close(
+            &all.i((.., i, ..))?,
+            &last,
+            1e-5,
+            1e-5,
+            &format!("position {i}"),
+        )?;
     }
     Ok(())
 }
@@ -82,9 +86,21 @@ fn ragged_batch_matches_single_prompts() -> Result<()> {
     for (i, p) in prompts.iter().enumerate() {
         let mut single = Cache::with_capacity(64, KvFormat::Dense, DType::F32, &cfg, &dev)?;
         let want = ours.forward(&ids(p)?, 0, &mut single)?;
-        assert_close(&batched.i(i)?, &want.i(0)?, 1e-4, 1e-4, &format!("prompt {i} prefill"))?;
+        assert_close(
+            &batched.i(i)?,
+            &want.i(0)?,
+            1e-4,
+            1e-4,
+            &format!("prompt {i} prefill"),
+        )?;
         let want = ours.forward(&ids(&[7 + i as u32])?, p.len(), &mut single)?;
-        assert_close(&batched_step.i(i)?, &want.i(0)?, 1e-4, 1e-4, &format!("prompt {i} decode"))?;
+        assert_close(
+            &batched_step.i(i)?,
+            &want.i(0)?,
+            1e-4,
+            1e-4,
+            &format!("prompt {i} decode"),
+        )?;
     }
     Ok(())
 }
@@ -94,10 +110,16 @@ fn clear_errors_on_bad_calls() -> Result<()> {
     let (ours, _, cfg) = models(1)?;
     let dev = Device::Cpu;
     let mut cache = Cache::with_capacity(8, KvFormat::Dense, DType::F32, &cfg, &dev)?;
-    let err = ours.forward(&ids(&[1; 9])?, 0, &mut cache).unwrap_err().to_string();
+    let err = ours
+        .forward(&ids(&[1; 9])?, 0, &mut cache)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("exceed the context of 8"), "{err}");
     cache.set_left_padding(&[0, 1]);
-    let err = ours.forward(&ids(&[1; 3])?, 0, &mut cache).unwrap_err().to_string();
+    let err = ours
+        .forward(&ids(&[1; 3])?, 0, &mut cache)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("2 sequences"), "{err}");
     Ok(())
 }
@@ -110,16 +132,31 @@ fn clear_errors_on_bad_calls() -> Result<()> {
 /// 8 bits: reported, and must agree at ≥ 95% of positions).
 #[test]
 fn real_model_top1_matches_quantized_llama() -> Result<()> {
-    let Some(path) = common::default_model() else { return Ok(()) };
+    let Some(path) = common::default_model() else {
+        return Ok(());
+    };
     let dev = Device::Cpu;
     let src = candle_lowbit::model_files::ModelSource::Gguf(path);
     let loaded = common::load_dense(&src, DType::F32, &dev)?;
-    let tokens = loaded.tokenizer.encode(common::LONG_PROMPT, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
-    assert!(tokens.len() >= 64, "prompt has only {} tokens", tokens.len());
+    let tokens = loaded
+        .tokenizer
+        .encode(common::LONG_PROMPT, false)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec();
+    assert!(
+        tokens.len() >= 64,
+        "prompt has only {} tokens",
+        tokens.len()
+    );
     let mut cache = Cache::with_capacity(256, KvFormat::Dense, DType::F32, &loaded.config, &dev)?;
-    let ours = loaded.model.forward_all(&ids(&tokens)?, 0, &mut cache)?.i(0)?;
+    let ours = loaded
+        .model
+        .forward_all(&ids(&tokens)?, 0, &mut cache)?
+        .i(0)?;
 
-    let (worst_q, mism_q) = common::compare_with_quantized_llama(&src, &tokens, &ours, &Device::Cpu)?;
+    let (worst_q, mism_q) =
+        common::compare_with_quantized_llama(&src, &tokens, &ours, &Device::Cpu)?;
     println!(
         "real model vs quantized_llama (quantized path): {} positions, largest |logit diff| {worst_q:.4}, top-1 differs at {mism_q:?}",
         tokens.len()
@@ -137,8 +174,17 @@ fn real_model_top1_matches_quantized_llama() -> Result<()> {
         "real model vs quantized_llama (dequantized f32): {} positions, largest |logit diff| {worst:.2e}",
         tokens.len()
     );
-    assert!(mism.is_empty(), "top-1 differs at (pos, ours, stock): {mism:?}");
-    assert!(worst < 1e-2, "largest logit difference {worst} vs dequantized stock");
-    assert!(mism_q.len() * 20 <= tokens.len(), "top-1 differs from the quantized path at {mism_q:?}");
+    assert!(
+        mism.is_empty(),
+        "top-1 differs at (pos, ours, stock): {mism:?}"
+    );
+    assert!(
+        worst < 1e-2,
+        "largest logit difference {worst} vs dequantized stock"
+    );
+    assert!(
+        mism_q.len() * 20 <= tokens.len(),
+        "top-1 differs from the quantized path at {mism_q:?}"
+    );
     Ok(())
 }

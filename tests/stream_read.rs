@@ -66,7 +66,12 @@ fn suggested_block_count_is_bounded() {
 fn cuda_matches_cpu_reference() -> Result<()> {
     let gpu = Device::new_cuda(0)?;
     // Odd sizes: not a multiple of the grid, fewer words than threads, a partial unroll.
-    for (seed, n_words) in [(1u32, 4usize), (2, 4 * 255), (3, 4 * 1000 + 4 * 3), (4, 4 * (1 << 20) + 4 * 17)] {
+    for (seed, n_words) in [
+        (1u32, 4usize),
+        (2, 4 * 255),
+        (3, 4 * 1000 + 4 * 3),
+        (4, 4 * (1 << 20) + 4 * 17),
+    ] {
         let w = words(n_words, seed);
         let cpu = Tensor::from_vec(w, n_words, &Device::Cpu)?;
         let dev_t = cpu.to_device(&gpu)?;

@@ -68,17 +68,32 @@ fn stock_limit(h: Heads, len: usize, b: usize) -> Option<String> {
 }
 
 pub fn run(ctx: &mut Ctx) -> Result<()> {
-    let shape = |name, nh, nkv, hd| Shape { name, h: Heads { nh, nkv, hd } };
+    let shape = |name, nh, nkv, hd| Shape {
+        name,
+        h: Heads { nh, nkv, hd },
+    };
     let (shapes, lens, batches) = if ctx.quick {
-        (vec![shape("mha", 4, 4, 32), shape("gqa", 4, 2, 32)], vec![64, 200], vec![1, 2])
+        (
+            vec![shape("mha", 4, 4, 32), shape("gqa", 4, 2, 32)],
+            vec![64, 200],
+            vec![1, 2],
+        )
     } else {
-        (vec![shape("mha", 32, 32, 128), shape("gqa", 32, 8, 128)], vec![1024, 4096, 16384, 32768], vec![1, 8, 32])
+        (
+            vec![shape("mha", 32, 32, 128), shape("gqa", 32, 8, 128)],
+            vec![1024, 4096, 16384, 32768],
+            vec![1, 8, 32],
+        )
     };
     for s in &shapes {
         for &len in &lens {
             for &b in &batches {
                 let names: Vec<String> = std::iter::once(name(s.name, len, b, "candle-f16"))
-                    .chain(KvFormat::ALL.iter().map(|f| name(s.name, len, b, &ours_name(*f))))
+                    .chain(
+                        KvFormat::ALL
+                            .iter()
+                            .map(|f| name(s.name, len, b, &ours_name(*f))),
+                    )
                     .collect();
                 let wanted: Vec<String> = names.into_iter().filter(|n| ctx.wants(n)).collect();
                 if wanted.is_empty() {
@@ -91,7 +106,8 @@ pub fn run(ctx: &mut Ctx) -> Result<()> {
                 eprintln!("attention: {} L={len} batch={b}", s.name);
                 if let Err(e) = run_case(ctx, s, len, b, &wanted) {
                     let (status, note) = classify(&e);
-                    let done: Vec<String> = ctx.report.rows.iter().map(|r| r.name.clone()).collect();
+                    let done: Vec<String> =
+                        ctx.report.rows.iter().map(|r| r.name.clone()).collect();
                     for n in wanted.iter().filter(|n| !done.contains(n)) {
                         ctx.push(Row::new("attention", n).status(status, note.clone()));
                     }
@@ -115,7 +131,13 @@ fn ours_name(f: KvFormat) -> String {
 /// Stock candle llama's attention for one decode step (`seq_len == 1`: no mask), from
 /// the unrotated q and k of the new token, over the rotated cache `kc`, `vc`.
 fn stock_step(c: &Case, kc: &Tensor, vc: &Tensor) -> candle_core::Result<Tensor> {
-    stock_attn(c.h, (&c.q, &c.k_new, &c.v_new), (&c.cos_l, &c.sin_l), kc, vc)
+    stock_attn(
+        c.h,
+        (&c.q, &c.k_new, &c.v_new),
+        (&c.cos_l, &c.sin_l),
+        kc,
+        vc,
+    )
 }
 
 fn stock_attn(
@@ -143,14 +165,24 @@ fn stock_attn(
 /// f32 RoPE tables `[n_pos, hd/2]` (theta 10000, the HF "rotate half" convention both
 /// candle's `rope` and our kernels use).
 fn rope_tables(n_pos: usize, hd: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor)> {
-    let freqs: Vec<f32> = (0..hd).step_by(2).map(|i| 1f32 / 10_000f32.powf(i as f32 / hd as f32)).collect();
-    let t = Tensor::arange(0u32, n_pos as u32, dev)?.to_dtype(DType::F32)?.reshape((n_pos, 1))?;
+    let freqs: Vec<f32> = (0..hd)
+        .step_by(2)
+        .map(|i| 1f32 / 10_000f32.powf(i as f32 / hd as f32))
+        .collect();
+    let t = Tensor::arange(0u32, n_pos as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((n_pos, 1))?;
     let theta = t.matmul(&Tensor::new(freqs.as_slice(), dev)?.reshape((1, hd / 2))?)?;
     Ok((theta.cos()?, theta.sin()?))
 }
 
 /// Device positions for a step at cache row `pos`.
-fn positions(tables: &(Tensor, Tensor), pos: usize, b: usize, dev: &candle_core::Device) -> Result<StepPositions> {
+fn positions(
+    tables: &(Tensor, Tensor),
+    pos: usize,
+    b: usize,
+    dev: &candle_core::Device,
+) -> Result<StepPositions> {
     Ok(StepPositions {
         cos: tables.0.clone(),
         sin: tables.1.clone(),
@@ -171,13 +203,21 @@ fn our_caches(
     n: usize,
 ) -> Result<Vec<KvCache>> {
     let (b, nkv, l, hd) = k.dims4()?;
-    anyhow::ensure!(nkv == h.nkv && hd == h.hd, "keys {:?} do not match {h:?}", k.shape());
+    anyhow::ensure!(
+        nkv == h.nkv && hd == h.hd,
+        "keys {:?} do not match {h:?}",
+        k.shape()
+    );
     let nh = h.nh;
-    let mut caches: Vec<KvCache> = (0..n).map(|_| KvCache::new(f, h, l + 1, ctx.dtype, &ctx.dev)).collect();
+    let mut caches: Vec<KvCache> = (0..n)
+        .map(|_| KvCache::new(f, h, l + 1, ctx.dtype, &ctx.dev))
+        .collect();
     for s in (0..l).step_by(2048) {
         let len = 2048.min(l - s);
         let part = |t: &Tensor| -> candle_core::Result<Tensor> {
-            t.narrow(2, s, len)?.transpose(1, 2)?.reshape((b, len, nkv * hd))
+            t.narrow(2, s, len)?
+                .transpose(1, 2)?
+                .reshape((b, len, nkv * hd))
         };
         let q_part = Tensor::zeros((b, len, nh * hd), ctx.dtype, &ctx.dev)?;
         let qkv = Tensor::cat(&[&q_part, &part(k)?, &part(v)?], 2)?.contiguous()?;
@@ -196,7 +236,13 @@ type OurCaches = Vec<(KvFormat, Result<Vec<KvCache>>)>;
 /// the keys so that the raw keys can be dropped early (the 32k × 32 case is ~70 GB). The
 /// reference output is stock's computation one sequence at a time (no tensor reaches
 /// candle's 2³²-element limit), so ours is checked even where stock cannot run whole.
-fn build_case(ctx: &Ctx, h: Heads, len: usize, b: usize, n_ours: usize) -> Result<(Case, OurCaches, StepPositions)> {
+fn build_case(
+    ctx: &Ctx,
+    h: Heads,
+    len: usize,
+    b: usize,
+    n_ours: usize,
+) -> Result<(Case, OurCaches, StepPositions)> {
     let (dev, dt) = (ctx.dev.clone(), ctx.dtype);
     let tables = rope_tables(len + 1, h.hd, &dev)?;
     let k_raw = randn(&[b, h.nkv, len, h.hd], 1.0, dt, &dev)?;
@@ -210,15 +256,29 @@ fn build_case(ctx: &Ctx, h: Heads, len: usize, b: usize, n_ours: usize) -> Resul
     let sin = tables.1.to_dtype(dt)?;
     let (cos_n, sin_n) = (cos.narrow(0, 0, len)?, sin.narrow(0, 0, len)?);
     let split = |start: usize, n: usize| -> candle_core::Result<Tensor> {
-        qkv_new.narrow(2, start * h.hd, n * h.hd)?.reshape((b, 1, n, h.hd))?.transpose(1, 2)?.contiguous()
+        qkv_new
+            .narrow(2, start * h.hd, n * h.hd)?
+            .reshape((b, 1, n, h.hd))?
+            .transpose(1, 2)?
+            .contiguous()
     };
-    let (q, k_new, v_new) = (split(0, h.nh)?, split(h.nh, h.nkv)?, split(h.nh + h.nkv, h.nkv)?);
+    let (q, k_new, v_new) = (
+        split(0, h.nh)?,
+        split(h.nh, h.nkv)?,
+        split(h.nh + h.nkv, h.nkv)?,
+    );
     let (cos_l, sin_l) = (cos.narrow(0, len, 1)?, sin.narrow(0, len, 1)?);
     let mut rows = vec![];
     for i in 0..b {
         let row = |t: &Tensor| t.narrow(0, i, 1);
         let kc_i = candle_nn::rotary_emb::rope(&row(&k_raw)?.contiguous()?, &cos_n, &sin_n)?;
-        let y = stock_attn(h, (&row(&q)?, &row(&k_new)?, &row(&v_new)?), (&cos_l, &sin_l), &kc_i, &row(&vc)?)?;
+        let y = stock_attn(
+            h,
+            (&row(&q)?, &row(&k_new)?, &row(&v_new)?),
+            (&cos_l, &sin_l),
+            &kc_i,
+            &row(&vc)?,
+        )?;
         rows.push(y.transpose(1, 2)?.reshape((1, 1, h.nh * h.hd))?);
     }
     let y_ref = Tensor::cat(&rows, 0)?;
@@ -227,7 +287,19 @@ fn build_case(ctx: &Ctx, h: Heads, len: usize, b: usize, n_ours: usize) -> Resul
         Some(_) => None,
     };
     drop(k_raw);
-    let case = Case { h, len, b, q, k_new, v_new, qkv_new: qkv_new.clone(), stock_kv, cos_l, sin_l, y_ref };
+    let case = Case {
+        h,
+        len,
+        b,
+        q,
+        k_new,
+        v_new,
+        qkv_new: qkv_new.clone(),
+        stock_kv,
+        cos_l,
+        sin_l,
+        y_ref,
+    };
     let p = positions(&tables, len, b, &dev)?;
     Ok((case, ours, p))
 }
@@ -259,11 +331,13 @@ fn run_case(ctx: &mut Ctx, s: &Shape, len: usize, b: usize, wanted: &[String]) -
         if !wanted.contains(&n) {
             continue;
         }
-        let row = match caches.and_then(|c| run_ours(ctx, &case, c, &p, &case.y_ref, tolerance(f))) {
+        let row = match caches.and_then(|c| run_ours(ctx, &case, c, &p, &case.y_ref, tolerance(f)))
+        {
             Ok((Some(t), bytes, err)) => timed_row(ctx, &n, &case, t, bytes, Some(err), stock_t)?,
-            Ok((None, _, err)) => base_row(&n, &case)
-                .num("err", err)
-                .status(Status::Fail, format!("rel err {err:.2e} > {:.0e} vs stock", tolerance(f))),
+            Ok((None, _, err)) => base_row(&n, &case).num("err", err).status(
+                Status::Fail,
+                format!("rel err {err:.2e} > {:.0e} vs stock", tolerance(f)),
+            ),
             Err(e) => {
                 let (status, note) = classify(&e);
                 base_row(&n, &case).status(status, note)
@@ -310,10 +384,17 @@ fn timed_row(
 
 /// Seconds per stock step, and the f16 K+V bytes over L + 1 tokens.
 fn run_stock(ctx: &Ctx, c: &Case) -> Result<(Timing, usize)> {
-    let Some((kc, vc)) = &c.stock_kv else { anyhow::bail!("stock candle cannot run this case") };
-    let y = stock_step(c, kc, vc)?.transpose(1, 2)?.reshape(c.y_ref.shape())?;
+    let Some((kc, vc)) = &c.stock_kv else {
+        anyhow::bail!("stock candle cannot run this case")
+    };
+    let y = stock_step(c, kc, vc)?
+        .transpose(1, 2)?
+        .reshape(c.y_ref.shape())?;
     let err = rel_err(&y, &c.y_ref)?;
-    anyhow::ensure!(err < 1e-3, "stock's whole-batch output differs from its per-sequence output: rel err {err:.2e}");
+    anyhow::ensure!(
+        err < 1e-3,
+        "stock's whole-batch output differs from its per-sequence output: rel err {err:.2e}"
+    );
     let one = nbytes(kc) + nbytes(vc);
     let r = rotation(one, 16);
     let mut kcs = vec![kc.clone()];
@@ -322,7 +403,9 @@ fn run_stock(ctx: &Ctx, c: &Case) -> Result<(Timing, usize)> {
         kcs.push(kc.copy()?);
         vcs.push(vc.copy()?);
     }
-    let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |i| stock_step(c, &kcs[i % r], &vcs[i % r]).map(|_| ()))?;
+    let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |i| {
+        stock_step(c, &kcs[i % r], &vcs[i % r]).map(|_| ())
+    })?;
     Ok((t, one + nbytes(&c.k_new) + nbytes(&c.v_new)))
 }
 
@@ -365,6 +448,8 @@ fn run_ours(
     if err.is_nan() || err > tol {
         return Ok((None, bytes, err));
     }
-    let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |i| our_step(c, &mut caches[i % r], p).map(|_| ()))?;
+    let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |i| {
+        our_step(c, &mut caches[i % r], p).map(|_| ())
+    })?;
     Ok((Some(t), bytes, err))
 }

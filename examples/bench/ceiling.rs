@@ -27,12 +27,24 @@ impl Ceiling {
         let (_, sms) = crate::util::device_info(dev);
         let pool_bytes = if quick { 16 << 20 } else { 2 << 30 };
         let verified = verify(dev, sms)?;
-        Ok(Self { pool: None, pool_bytes, sms, cache: HashMap::new(), verified })
+        Ok(Self {
+            pool: None,
+            pool_bytes,
+            sms,
+            cache: HashMap::new(),
+            verified,
+        })
     }
 
     /// Median seconds to stream-read `bytes` (rounded up to 16), or None if the op
     /// failed its check.
-    pub fn seconds(&mut self, dev: &Device, samples: usize, min_sample_s: f64, bytes: usize) -> Result<Option<f64>> {
+    pub fn seconds(
+        &mut self,
+        dev: &Device,
+        samples: usize,
+        min_sample_s: f64,
+        bytes: usize,
+    ) -> Result<Option<f64>> {
         if self.verified.is_err() || bytes == 0 {
             return Ok(None);
         }
@@ -43,13 +55,19 @@ impl Ceiling {
         if self.pool.is_none() {
             self.pool = Some(randn(&[self.pool_bytes / 2], 1.0, DType::F16, dev)?);
         }
-        let Some(pool) = &self.pool else { anyhow::bail!("ceiling pool missing") };
+        let Some(pool) = &self.pool else {
+            anyhow::bail!("ceiling pool missing")
+        };
         let read = bytes.min(self.pool_bytes);
         let n_views = rotation(read, 64).min(self.pool_bytes / read).max(1);
         let elems = read / 2;
-        let views = (0..n_views).map(|j| pool.narrow(0, j * elems, elems)).collect::<candle_core::Result<Vec<_>>>()?;
+        let views = (0..n_views)
+            .map(|j| pool.narrow(0, j * elems, elems))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let blocks = stream_read_blocks(read, self.sms);
-        let t = time_batched(dev, samples, min_sample_s, |i| stream_read(&views[i % n_views], blocks).map(|_| ()))?;
+        let t = time_batched(dev, samples, min_sample_s, |i| {
+            stream_read(&views[i % n_views], blocks).map(|_| ())
+        })?;
         let secs = t.median * bytes as f64 / read as f64;
         self.cache.insert(bytes, secs);
         Ok(Some(secs))
@@ -70,6 +88,9 @@ fn verify(dev: &Device, sms: usize) -> Result<Result<(), String>> {
         Ok(())
     } else {
         let bad = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
-        Err(format!("stream_read differs from its CPU reference at block {bad}: {:#x} vs {:#x}", got[bad], want[bad]))
+        Err(format!(
+            "stream_read differs from its CPU reference at block {bad}: {:#x} vs {:#x}",
+            got[bad], want[bad]
+        ))
     })
 }

@@ -68,21 +68,36 @@ fn plan(section: Section, quick: bool) -> Plan {
         (Section::E2e, false) => {
             metrics.extend([512, 2048].map(Metric::Prefill));
             metrics.extend([128, 1024, 4096, 16384].map(|ctx| Metric::Decode { ctx, batch: 1 }));
-            metrics.extend([8, 32, 64].map(|batch| Metric::Decode { ctx: batch_ctx, batch }));
+            metrics.extend([8, 32, 64].map(|batch| Metric::Decode {
+                ctx: batch_ctx,
+                batch,
+            }));
             (llama2_7b(16384 + 512), 512)
         }
         (Section::E2e, true) => {
             metrics.extend([16, 48].map(Metric::Prefill));
             metrics.extend([8, 40].map(|ctx| Metric::Decode { ctx, batch: 1 }));
-            metrics.extend([2, 3].map(|batch| Metric::Decode { ctx: batch_ctx, batch }));
+            metrics.extend([2, 3].map(|batch| Metric::Decode {
+                ctx: batch_ctx,
+                batch,
+            }));
             (tiny(2, 256), 16)
         }
         (Section::Floor, q) => {
-            metrics.push(Metric::Decode { ctx: batch_ctx, batch: 1 });
+            metrics.push(Metric::Decode {
+                ctx: batch_ctx,
+                batch: 1,
+            });
             (tiny(if q { 4 } else { 32 }, 1024), 512)
         }
     };
-    Plan { group, cfg, metrics, batch_ctx, chunk }
+    Plan {
+        group,
+        cfg,
+        metrics,
+        batch_ctx,
+        chunk,
+    }
 }
 
 /// What the stock configuration measured, for the ratios and the logits check.
@@ -92,14 +107,77 @@ struct Baseline {
     logits: Option<Tensor>,
 }
 
+/// The `model` section: a real model from `--model` (a checkpoint, a GGUF file, a HF
+/// directory), loaded by the loader as `generate` loads it (`load`: its load time, any
+/// quantization at load included), then checked and timed as the e2e rows are.
+pub fn run_model(ctx: &mut Ctx, loaded: candle_lowbit::loader::Loaded, load_s: f64) -> Result<()> {
+    let spec = Spec::Loaded(loaded.format);
+    let cfg = loaded.config.clone();
+    let group = "model";
+    let name = loaded.name.replace(['/', ' '], "_");
+    let mut metrics = vec![Metric::Load, Metric::Check];
+    if ctx.quick {
+        metrics.extend([
+            Metric::Prefill(16),
+            Metric::Decode { ctx: 16, batch: 1 },
+            Metric::Decode { ctx: 16, batch: 2 },
+        ]);
+    } else {
+        metrics.extend([
+            Metric::Prefill(512),
+            Metric::Decode { ctx: 128, batch: 1 },
+            Metric::Decode { ctx: 128, batch: 8 },
+        ]);
+    }
+    let batch_ctx = if ctx.quick { 16 } else { 128 };
+    let wanted: Vec<(Metric, String)> = metrics
+        .iter()
+        .map(|m| {
+            (
+                *m,
+                format!("{group}/{name}/{}/{}", spec.name(), m.name(batch_ctx)),
+            )
+        })
+        .filter(|(_, n)| ctx.wants(n))
+        .collect();
+    let p = Plan {
+        group,
+        cfg: cfg.clone(),
+        metrics,
+        batch_ctx,
+        chunk: 512,
+    };
+    let mut e = Engine::loaded(loaded.model, &cfg, ctx.dtype, &ctx.dev);
+    run_config(
+        ctx,
+        &p,
+        spec,
+        &mut e,
+        load_s,
+        &wanted,
+        &mut Baseline::default(),
+    )?;
+    ctx.report.print_group(group);
+    Ok(())
+}
+
 pub fn run(ctx: &mut Ctx, section: Section) -> Result<()> {
     let p = plan(section, ctx.quick);
     let mut protos = Prototypes::new(&ctx.dev);
     let mut base = Baseline::default();
     for spec in Spec::all() {
-        let names: Vec<(Metric, String)> =
-            p.metrics.iter().map(|m| (*m, format!("{}/{}/{}", p.group, spec.name(), m.name(p.batch_ctx)))).collect();
-        let wanted: Vec<(Metric, String)> = names.into_iter().filter(|(_, n)| ctx.wants(n)).collect();
+        let names: Vec<(Metric, String)> = p
+            .metrics
+            .iter()
+            .map(|m| {
+                (
+                    *m,
+                    format!("{}/{}/{}", p.group, spec.name(), m.name(p.batch_ctx)),
+                )
+            })
+            .collect();
+        let wanted: Vec<(Metric, String)> =
+            names.into_iter().filter(|(_, n)| ctx.wants(n)).collect();
         if wanted.is_empty() {
             continue;
         }
@@ -113,13 +191,20 @@ pub fn run(ctx: &mut Ctx, section: Section) -> Result<()> {
         let engine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             Engine::build(spec, &p.cfg, ctx.dtype, &ctx.dev, &mut protos, 42)
         }))
-        .unwrap_or_else(|_| Err(anyhow::anyhow!("building {} panicked (see stderr)", spec.name())));
+        .unwrap_or_else(|_| {
+            Err(anyhow::anyhow!(
+                "building {} panicked (see stderr)",
+                spec.name()
+            ))
+        });
         let build_s = t0.elapsed().as_secs_f64();
         match engine {
             Ok(mut e) => run_config(ctx, &p, spec, &mut e, build_s, &wanted, &mut base)?,
             Err(err) => {
                 let (status, note) = classify(&err);
-                wanted.iter().for_each(|(_, n)| ctx.push(Row::new(p.group, n).status(status, note.clone())));
+                wanted
+                    .iter()
+                    .for_each(|(_, n)| ctx.push(Row::new(p.group, n).status(status, note.clone())));
                 ctx.check_device()?;
             }
         }
@@ -148,21 +233,35 @@ fn run_config(
             Metric::Prefill(_) => "prefill",
             Metric::Decode { .. } => "decode",
         };
-        let row = Row::new(p.group, name).table(table).text("config", spec.name());
+        let row = Row::new(p.group, name)
+            .table(table)
+            .text("config", spec.name());
         let r = match m {
             Metric::Load => Ok(row
-                .num("build_s", build_s)
+                .num(
+                    if matches!(spec, Spec::Loaded(_)) {
+                        "load_s"
+                    } else {
+                        "build_s"
+                    },
+                    build_s,
+                )
                 .opt("weights_GiB", e.weight_bytes().map(gib))
                 .opt("mem_GiB", crate::util::mem_used(&ctx.dev).map(gib))),
             Metric::Check => check(ctx, p, spec, e, row, base),
             Metric::Prefill(n) => prefill(ctx, p, e, *n, row),
-            Metric::Decode { ctx: c, batch } => decode(ctx, p, e, *c, *batch, row).and_then(|r| with_floor(ctx, p, e, r)),
+            Metric::Decode { ctx: c, batch } => {
+                decode(ctx, p, e, *c, *batch, row).and_then(|r| with_floor(ctx, p, e, r))
+            }
         };
         let row = match r {
             Ok(row) => with_ratio(row, spec, m.name(p.batch_ctx), base),
             Err(err) => {
                 let (status, note) = classify(&err);
-                Row::new(p.group, name).table(table).text("config", spec.name()).status(status, note)
+                Row::new(p.group, name)
+                    .table(table)
+                    .text("config", spec.name())
+                    .status(status, note)
             }
         };
         let failed = matches!(row.status, Status::Oom | Status::Err | Status::Fail);
@@ -176,7 +275,9 @@ fn run_config(
 
 /// Adds `vs_candle` (tokens/s over stock's on the same row); records stock's figures.
 fn with_ratio(row: Row, spec: Spec, metric: String, base: &mut Baseline) -> Row {
-    let Some(tok_s) = row.get("tok/s") else { return row };
+    let Some(tok_s) = row.get("tok/s") else {
+        return row;
+    };
     if matches!(spec, Spec::Stock) {
         base.tok_s.insert(metric, tok_s);
         return row.num("vs_candle", 1.0);
@@ -188,7 +289,14 @@ fn with_ratio(row: Row, spec: Spec, metric: String, base: &mut Baseline) -> Row 
 /// Stock: record the logits of a 16-token prompt. Ours with dense weights: compare with
 /// them. Every configuration of ours: two decode steps through the decoder (graph
 /// capture, then replay) against the same steps through eager `forward` (bit-equal).
-fn check(ctx: &Ctx, p: &Plan, spec: Spec, e: &mut Engine, row: Row, base: &mut Baseline) -> Result<Row> {
+fn check(
+    ctx: &Ctx,
+    p: &Plan,
+    spec: Spec,
+    e: &mut Engine,
+    row: Row,
+    base: &mut Baseline,
+) -> Result<Row> {
     let ids = token_ids(1, 16, p.cfg.vocab_size, 7, &ctx.dev)?;
     e.reset(32)?;
     let logits = e.forward(&ids, 0)?;
@@ -198,13 +306,19 @@ fn check(ctx: &Ctx, p: &Plan, spec: Spec, e: &mut Engine, row: Row, base: &mut B
             return Ok(row.status(Status::Ok, "reference logits"));
         }
         Spec::QLlama(_) => {
-            return Ok(row.status(Status::Skip, "prototype weights (values differ from stock's by design)"))
+            return Ok(row.status(
+                Status::Skip,
+                "prototype weights (values differ from stock's by design)",
+            ))
         }
+        Spec::Loaded(_) => row,
         Spec::Ours(candle_lowbit::WeightFormat::Dense, _) => match &base.logits {
             Some(want) => {
                 let err = crate::util::rel_err(&logits, want)?;
                 let same = next_ids(&logits)? == next_ids(want)?;
-                let row = row.num("logits_err", err).text("top1", if same { "same" } else { "differs" });
+                let row = row
+                    .num("logits_err", err)
+                    .text("top1", if same { "same" } else { "differs" });
                 if err.is_nan() || err > 0.1 {
                     return Ok(row.status(Status::Fail, "logits differ from stock's by > 10%"));
                 }
@@ -216,8 +330,14 @@ fn check(ctx: &Ctx, p: &Plan, spec: Spec, e: &mut Engine, row: Row, base: &mut B
     };
     let (eager, graph) = (two_steps(e, &ids, false)?, two_steps(e, &ids, true)?);
     let same = eager.flatten_all()?.to_vec1::<f32>()? == graph.flatten_all()?.to_vec1::<f32>()?;
-    let row = row.num("graph_err", crate::util::rel_err(&graph, &eager)?).text("mode", e.mode());
-    Ok(if same { row } else { row.status(Status::Fail, "decoder steps differ from eager forward") })
+    let row = row
+        .num("graph_err", crate::util::rel_err(&graph, &eager)?)
+        .text("mode", e.mode());
+    Ok(if same {
+        row
+    } else {
+        row.status(Status::Fail, "decoder steps differ from eager forward")
+    })
 }
 
 /// Prefill `ids` `[1, 16]`, then two greedy steps (through the decoder if `decoder`);
@@ -256,7 +376,11 @@ fn prefill(ctx: &Ctx, p: &Plan, e: &mut Engine, n: usize, row: Row) -> Result<Ro
         v.push(t0.elapsed().as_secs_f64());
     }
     let t = median(&mut v);
-    Ok(row.num("tokens", n as f64).num("ms", t * 1e3).num("tok/s", n as f64 / t).opt("peak_GiB", peak.map(gib)))
+    Ok(row
+        .num("tokens", n as f64)
+        .num("ms", t * 1e3)
+        .num("tok/s", n as f64 / t)
+        .opt("peak_GiB", peak.map(gib)))
 }
 
 /// DESIGN.md's reference DRAM read rate (§3: streaming reads of 256 MB and more ran at
@@ -271,10 +395,14 @@ const REFERENCE_READ_BYTES_PER_S: f64 = 4.3e12;
 /// The measured ceiling is the stricter one (our 2 GiB single-launch read runs faster than
 /// the reference rate: 4.47–4.56 TB/s on the H200 in the runs of 2026-12-01).
 fn with_floor(ctx: &mut Ctx, p: &Plan, e: &Engine, row: Row) -> Result<Row> {
-    let (Some(ms), Some(c), Some(b)) = (row.get("ms/step"), row.get("ctx"), row.get("batch")) else { return Ok(row) };
+    let (Some(ms), Some(c), Some(b)) = (row.get("ms/step"), row.get("ctx"), row.get("batch"))
+    else {
+        return Ok(row);
+    };
     let cfg = &p.cfg;
     let hd = cfg.hidden_size / cfg.num_attention_heads;
-    let kv = 2 * cfg.num_hidden_layers * (b as usize) * (c as usize) * cfg.num_key_value_heads * hd * 2;
+    let kv =
+        2 * cfg.num_hidden_layers * (b as usize) * (c as usize) * cfg.num_key_value_heads * hd * 2;
     let bytes = e.linear_bytes(cfg)? + kv;
     let dev = ctx.dev.clone();
     let floor = ctx.ceiling.seconds(&dev, ctx.iters, 2e-3, bytes)?;
@@ -292,7 +420,13 @@ fn decode(ctx: &Ctx, p: &Plan, e: &mut Engine, c: usize, b: usize, row: Row) -> 
     let warm = 2;
     let max_len = c + warm + 2 * steps + 1;
     if max_len > e.max_positions() {
-        return Ok(row.status(Status::Skip, format!("{max_len} positions exceed the model's {}", e.max_positions())));
+        return Ok(row.status(
+            Status::Skip,
+            format!(
+                "{max_len} positions exceed the model's {}",
+                e.max_positions()
+            ),
+        ));
     }
     let mem = MemSampler::start(&ctx.dev);
     e.reset(max_len)?;
@@ -304,7 +438,9 @@ fn decode(ctx: &Ctx, p: &Plan, e: &mut Engine, c: usize, b: usize, row: Row) -> 
         logits = Some(e.forward(&prompt.narrow(1, s, len)?.contiguous()?, s)?);
         ctx.dev.synchronize()?;
     }
-    let Some(logits) = logits else { anyhow::bail!("empty prompt") };
+    let Some(logits) = logits else {
+        anyhow::bail!("empty prompt")
+    };
     // Peak memory is that of the prefill: the sampler stops before any decode step (graph
     // capture happens in the first one, and the timed steps run without its driver calls).
     let peak = mem.stop();

@@ -41,7 +41,15 @@ impl Impl {
 
     fn all() -> Vec<Self> {
         let mut v = vec![Self::CandleF16];
-        v.extend([GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q3K, GgmlDType::Q2K].map(Self::CandleGgml));
+        v.extend(
+            [
+                GgmlDType::Q4_0,
+                GgmlDType::Q4K,
+                GgmlDType::Q3K,
+                GgmlDType::Q2K,
+            ]
+            .map(Self::CandleGgml),
+        );
         v.extend(WeightFormat::timed().map(Self::Ours));
         v
     }
@@ -73,8 +81,11 @@ struct Shape {
 }
 
 pub fn run(ctx: &mut Ctx) -> Result<()> {
-    let shapes: &[(usize, usize)] =
-        if ctx.quick { &[(256, 256), (512, 768)] } else { &[(4096, 4096), (11008, 4096), (4096, 11008)] };
+    let shapes: &[(usize, usize)] = if ctx.quick {
+        &[(256, 256), (512, 768)]
+    } else {
+        &[(4096, 4096), (11008, 4096), (4096, 11008)]
+    };
     let ms: Vec<usize> = if !ctx.ms.is_empty() {
         ctx.ms.clone()
     } else if ctx.quick {
@@ -83,12 +94,17 @@ pub fn run(ctx: &mut Ctx) -> Result<()> {
         vec![1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096]
     };
     for &(n, k) in shapes {
-        let wanted: Vec<Impl> =
-            Impl::all().into_iter().filter(|i| ms.iter().any(|&m| ctx.wants(&row_name(n, k, i, m)))).collect();
+        let wanted: Vec<Impl> = Impl::all()
+            .into_iter()
+            .filter(|i| ms.iter().any(|&m| ctx.wants(&row_name(n, k, i, m))))
+            .collect();
         if wanted.is_empty() {
             continue;
         }
-        eprintln!("kernels: {n}x{k}, {} implementations, m in {ms:?}", wanted.len());
+        eprintln!(
+            "kernels: {n}x{k}, {} implementations, m in {ms:?}",
+            wanted.len()
+        );
         run_shape(ctx, n, k, &ms, &wanted)?;
     }
     if !ctx.quick {
@@ -127,7 +143,15 @@ const DESIGN_US: &[(usize, usize, usize, &str, f64)] = &[
 fn design_check(ctx: &mut Ctx) {
     for &(n, k, m, imp, want) in DESIGN_US {
         let name = format!("kernels/{n}x{k}/{imp}/m={m}");
-        let Some(got) = ctx.report.rows.iter().find(|r| r.name == name).and_then(|r| r.get("us")) else { continue };
+        let Some(got) = ctx
+            .report
+            .rows
+            .iter()
+            .find(|r| r.name == name)
+            .and_then(|r| r.get("us"))
+        else {
+            continue;
+        };
         let ratio = got / want;
         let row = Row::new("kernels", &format!("{name}/design"))
             .table("vs DESIGN.md §3")
@@ -165,7 +189,8 @@ fn run_shape(ctx: &mut Ctx, n: usize, k: usize, ms: &[usize], wanted: &[Impl]) -
     let base = run_impl(ctx, &shape, Impl::CandleF16, &mut protos, None)?;
     for i in wanted.iter().filter(|i| !matches!(i, Impl::CandleF16)) {
         if ctx.over_budget() {
-            ms.iter().for_each(|&m| ctx.skip_budget("kernels", &row_name(n, k, i, m)));
+            ms.iter()
+                .for_each(|&m| ctx.skip_budget("kernels", &row_name(n, k, i, m)));
             continue;
         }
         if let Err(e) = run_impl(ctx, &shape, *i, &mut protos, Some(&base)) {
@@ -210,14 +235,19 @@ fn run_impl(
         let row = match r {
             Ok((err, None)) => {
                 out.push(None);
-                row.num("err", err).status(Status::Fail, format!("rel err {err:.2e} > {:.0e}", i.tolerance()))
+                row.num("err", err).status(
+                    Status::Fail,
+                    format!("rel err {err:.2e} > {:.0e}", i.tolerance()),
+                )
             }
             Ok((err, Some(timing))) => {
                 let t = timing.median;
                 out.push(Some(t));
                 let bytes = bytes_w + crate::util::nbytes(x) + s.n * m * x.dtype().size_in_bytes();
                 let ceil = ctx.ceiling.seconds(&dev, ctx.iters, MIN_SAMPLE_S, bytes)?;
-                let f16 = base.and_then(|b| b.get(j).copied().flatten()).or((base.is_none()).then_some(t));
+                let f16 = base
+                    .and_then(|b| b.get(j).copied().flatten())
+                    .or((base.is_none()).then_some(t));
                 row.num("us", t * 1e6)
                     .num("GB/s", bytes as f64 / t / 1e9)
                     .num("TFLOP/s", 2.0 * (m * s.n * s.k) as f64 / t / 1e12)
@@ -246,13 +276,20 @@ fn run_impl(
 }
 
 /// The copies of `i`'s weight, its f32 dequantized reference `[n, k]`, and weight bytes.
-fn build(ctx: &Ctx, s: &Shape, i: Impl, protos: &mut Prototypes) -> Result<(Weights, Tensor, usize)> {
+fn build(
+    ctx: &Ctx,
+    s: &Shape,
+    i: Impl,
+    protos: &mut Prototypes,
+) -> Result<(Weights, Tensor, usize)> {
     let dev = &ctx.dev;
     let (n, k) = (s.n, s.k);
     Ok(match i {
         Impl::CandleF16 => {
             let bytes = crate::util::nbytes(&s.w);
-            let copies = (0..rotation(bytes, 64)).map(|_| s.w.copy()).collect::<candle_core::Result<Vec<_>>>()?;
+            let copies = (0..rotation(bytes, 64))
+                .map(|_| s.w.copy())
+                .collect::<candle_core::Result<Vec<_>>>()?;
             (Weights::Dense(copies), s.w.to_dtype(DType::F32)?, bytes)
         }
         Impl::CandleGgml(dt) => {
@@ -266,8 +303,14 @@ fn build(ctx: &Ctx, s: &Shape, i: Impl, protos: &mut Prototypes) -> Result<(Weig
         Impl::Ours(f) => {
             let first = protos.layer(n, k, f, ctx.dtype)?;
             let bytes = first.weight_bytes();
-            let copies = (0..rotation(bytes, 64)).map(|_| protos.copy(n, k, f, ctx.dtype)).collect::<Result<Vec<_>>>()?;
-            (Weights::Ours(copies), first.dequantize()?.to_dtype(DType::F32)?, bytes)
+            let copies = (0..rotation(bytes, 64))
+                .map(|_| protos.copy(n, k, f, ctx.dtype))
+                .collect::<Result<Vec<_>>>()?;
+            (
+                Weights::Ours(copies),
+                first.dequantize()?.to_dtype(DType::F32)?,
+                bytes,
+            )
         }
     })
 }
@@ -282,7 +325,13 @@ fn forward(w: &Weights, j: usize, x: &Tensor) -> candle_core::Result<Tensor> {
 
 /// Check against the reference (on the last copy, so every copy's upload is exercised
 /// at least once across m), then time. `(err, None)` when the check fails.
-fn measure(ctx: &Ctx, w: &Weights, x: &Tensor, reference: &Tensor, tol: f64) -> Result<(f64, Option<Timing>)> {
+fn measure(
+    ctx: &Ctx,
+    w: &Weights,
+    x: &Tensor,
+    reference: &Tensor,
+    tol: f64,
+) -> Result<(f64, Option<Timing>)> {
     let n_copies = match w {
         Weights::Dense(c) => c.len(),
         Weights::Ggml(c) => c.len(),
@@ -295,6 +344,8 @@ fn measure(ctx: &Ctx, w: &Weights, x: &Tensor, reference: &Tensor, tol: f64) -> 
         return Ok((err, None));
     }
     drop((y, want));
-    let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |j| forward(w, j, x).map(|_| ()))?;
+    let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |j| {
+        forward(w, j, x).map(|_| ())
+    })?;
     Ok((err, Some(t)))
 }

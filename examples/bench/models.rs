@@ -55,6 +55,8 @@ pub enum Spec {
     /// Stock `candle_transformers::models::quantized_llama` on a GGUF of this format
     /// (Q4K: the strongest peer; Q4_0: the same format as our `q4_0` configuration).
     QLlama(GgmlDType),
+    /// Our Llama over a real model loaded with `--model` (its blocks in this format).
+    Loaded(WeightFormat),
 }
 
 impl Spec {
@@ -73,13 +75,19 @@ impl Spec {
             Self::Stock => "candle-f16".into(),
             Self::Ours(w, k) => format!("ours-{}-kv{}", w.name(), k.name()),
             Self::QLlama(dt) => format!("candle-qllama-{}", ggml_name(*dt)),
+            Self::Loaded(w) => format!("ours-{}", w.name()),
         }
     }
 }
 
 /// Random weights for `cfg` under HF Llama names, drawn in a fixed order from a seeded
 /// generator (the same weights for stock and ours), cast to `dtype`.
-pub fn random_weights(cfg: &Config, dtype: DType, dev: &Device, seed: u64) -> Result<HashMap<String, Tensor>> {
+pub fn random_weights(
+    cfg: &Config,
+    dtype: DType,
+    dev: &Device,
+    seed: u64,
+) -> Result<HashMap<String, Tensor>> {
     let mut specs: Vec<(String, Vec<usize>, f64, f64)> = vec![];
     for (name, shape) in candle_lowbit::llama::tensor_shapes(cfg) {
         let (std, offset) = match shape.as_slice() {
@@ -167,18 +175,53 @@ impl Engine {
     ) -> Result<Self> {
         Ok(match spec {
             Spec::Stock => {
-                let vb = VarBuilder::from_tensors(random_weights(cfg, dtype, dev, seed)?, dtype, dev);
+                let vb =
+                    VarBuilder::from_tensors(random_weights(cfg, dtype, dev, seed)?, dtype, dev);
                 let model = Box::new(stock_llama::Llama::load(vb, cfg)?);
-                Self::Stock { model, cache: None, cfg: cfg.clone(), dtype, dev: dev.clone() }
+                Self::Stock {
+                    model,
+                    cache: None,
+                    cfg: cfg.clone(),
+                    dtype,
+                    dev: dev.clone(),
+                }
             }
             Spec::Ours(w, kv) => {
-                let vb = VarBuilder::from_tensors(random_weights(cfg, dtype, dev, seed)?, dtype, dev);
+                let vb =
+                    VarBuilder::from_tensors(random_weights(cfg, dtype, dev, seed)?, dtype, dev);
                 let mut model = Box::new(Llama::load(vb, cfg)?);
                 quantize_ours(&mut model, w, dtype, protos)?;
-                Self::Ours { model, cache: None, decoder: None, kv, cfg: cfg.clone(), dtype, dev: dev.clone() }
+                Self::Ours {
+                    model,
+                    cache: None,
+                    decoder: None,
+                    kv,
+                    cfg: cfg.clone(),
+                    dtype,
+                    dev: dev.clone(),
+                }
             }
-            Spec::QLlama(dt) => Self::QLlama { model: Box::new(qllama(cfg, dt, dev, protos)?), dtype: dt, dev: dev.clone() },
+            Spec::QLlama(dt) => Self::QLlama {
+                model: Box::new(qllama(cfg, dt, dev, protos)?),
+                dtype: dt,
+                dev: dev.clone(),
+            },
+            Spec::Loaded(_) => anyhow::bail!("a loaded model is built with Engine::loaded"),
         })
+    }
+
+    /// Our Llama over a model the loader built.
+    pub fn loaded(model: Llama, cfg: &Config, dtype: DType, dev: &Device) -> Self {
+        let kv = KvFormat::Dense;
+        Self::Ours {
+            model: Box::new(model),
+            cache: None,
+            decoder: None,
+            kv,
+            cfg: cfg.clone(),
+            dtype,
+            dev: dev.clone(),
+        }
     }
 
     /// Positions the model can hold (quantized_llama's RoPE table stops at 4096).
@@ -203,7 +246,8 @@ impl Engine {
     pub fn linear_bytes(&self, cfg: &Config) -> Result<usize> {
         let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let hd = h / cfg.num_attention_heads;
-        let per_layer = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + h * h + 3 * h * i;
+        let per_layer =
+            h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + h * h + 3 * h * i;
         let params = cfg.num_hidden_layers * per_layer + v * h;
         Ok(match self {
             Self::Ours { model, .. } => model.linears().iter().map(|l| l.weight_bytes()).sum(),
@@ -220,15 +264,31 @@ impl Engine {
             self.max_positions()
         );
         match self {
-            Self::Stock { cache, cfg, dtype, dev, .. } => {
+            Self::Stock {
+                cache,
+                cfg,
+                dtype,
+                dev,
+                ..
+            } => {
                 *cache = None;
                 *cache = Some(Box::new(stock_llama::Cache::new(true, *dtype, cfg, dev)?));
             }
-            Self::Ours { cache, decoder, kv, cfg, dtype, dev, .. } => {
+            Self::Ours {
+                cache,
+                decoder,
+                kv,
+                cfg,
+                dtype,
+                dev,
+                ..
+            } => {
                 // A captured graph points at the old cache's storage: drop it with the cache.
                 *decoder = None;
                 *cache = None;
-                *cache = Some(Box::new(Cache::with_capacity(max_len, *kv, *dtype, cfg, dev)?));
+                *cache = Some(Box::new(Cache::with_capacity(
+                    max_len, *kv, *dtype, cfg, dev,
+                )?));
             }
             Self::QLlama { model, .. } => model.clear_kv_cache(),
         }
@@ -238,8 +298,16 @@ impl Engine {
     /// Logits `[b, vocab]` (f32) of the last position of `ids` `[b, seq]` at `pos`.
     pub fn forward(&mut self, ids: &Tensor, pos: usize) -> Result<Tensor> {
         Ok(match self {
-            Self::Stock { model, cache: Some(c), .. } => model.forward(ids, pos, c)?,
-            Self::Ours { model, cache: Some(c), .. } => model.forward(ids, pos, c)?,
+            Self::Stock {
+                model,
+                cache: Some(c),
+                ..
+            } => model.forward(ids, pos, c)?,
+            Self::Ours {
+                model,
+                cache: Some(c),
+                ..
+            } => model.forward(ids, pos, c)?,
             Self::QLlama { model, .. } => model.forward(ids, pos)?.to_dtype(DType::F32)?,
             _ => anyhow::bail!("forward before reset"),
         })
@@ -250,11 +318,19 @@ impl Engine {
     /// graph decoder (`candle_lowbit::graph`), which replays a CUDA graph where it can.
     pub fn step(&mut self, tokens: &[u32], pos: usize) -> Result<Tensor> {
         match self {
-            Self::Ours { model, cache: Some(c), decoder, dev, .. } => {
+            Self::Ours {
+                model,
+                cache: Some(c),
+                decoder,
+                dev,
+                ..
+            } => {
                 if decoder.is_none() {
                     *decoder = Some(GraphDecoder::new(model, tokens.len(), dev)?);
                 }
-                let Some(d) = decoder.as_mut() else { anyhow::bail!("no decoder") };
+                let Some(d) = decoder.as_mut() else {
+                    anyhow::bail!("no decoder")
+                };
                 Ok(d.step(model, c, tokens, pos)?)
             }
             _ => {
@@ -277,7 +353,9 @@ impl Engine {
     /// How decode steps run: `graph`, `eager` (with the reason), or `candle` (stock).
     pub fn mode(&self) -> String {
         match self {
-            Self::Ours { decoder: Some(d), .. } => match d.mode() {
+            Self::Ours {
+                decoder: Some(d), ..
+            } => match d.mode() {
                 Mode::Graph => "graph".into(),
                 Mode::Pending => "pending".into(),
                 Mode::Eager(why) => format!("eager ({why})"),
@@ -289,7 +367,9 @@ impl Engine {
 
     fn device(&self) -> Device {
         match self {
-            Self::Stock { dev, .. } | Self::Ours { dev, .. } | Self::QLlama { dev, .. } => dev.clone(),
+            Self::Stock { dev, .. } | Self::Ours { dev, .. } | Self::QLlama { dev, .. } => {
+                dev.clone()
+            }
         }
     }
 }
@@ -298,7 +378,12 @@ impl Engine {
 /// per-shape prototypes (see `quant`): every layer holds its own device copy of the same
 /// values, so bytes, memory and bandwidth are a real model's; the values are not (fine for
 /// speed).
-fn quantize_ours(model: &mut Llama, w: WeightFormat, dtype: DType, protos: &mut Prototypes) -> Result<()> {
+fn quantize_ours(
+    model: &mut Llama,
+    w: WeightFormat,
+    dtype: DType,
+    protos: &mut Prototypes,
+) -> Result<()> {
     if w == WeightFormat::Dense {
         return Ok(());
     }
@@ -324,7 +409,12 @@ fn ggml_name(dt: GgmlDType) -> String {
 /// same prototypes our GGML configurations use), with llama.cpp's names and metadata.
 /// llama.cpp's converter permutes Q and K rows for its interleaved RoPE; random weights
 /// need no permutation (speed only, not values).
-fn qllama(cfg: &Config, dt: GgmlDType, dev: &Device, protos: &mut Prototypes) -> Result<quantized_llama::ModelWeights> {
+fn qllama(
+    cfg: &Config,
+    dt: GgmlDType,
+    dev: &Device,
+    protos: &mut Prototypes,
+) -> Result<quantized_llama::ModelWeights> {
     let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let hd = h / cfg.num_attention_heads;
     let kv = cfg.num_key_value_heads * hd;
@@ -335,8 +425,11 @@ fn qllama(cfg: &Config, dt: GgmlDType, dev: &Device, protos: &mut Prototypes) ->
     let w_up = protos.qtensor(i, h, dt, &cpu)?;
     let w_down = protos.qtensor(h, i, dt, &cpu)?;
     let norm = QTensor::quantize(&Tensor::ones(h, DType::F32, &Device::Cpu)?, GgmlDType::F32)?;
-    let mut names: Vec<(String, &QTensor)> =
-        vec![("token_embd.weight".into(), &emb), ("output_norm.weight".into(), &norm), ("output.weight".into(), &emb)];
+    let mut names: Vec<(String, &QTensor)> = vec![
+        ("token_embd.weight".into(), &emb),
+        ("output_norm.weight".into(), &norm),
+        ("output.weight".into(), &emb),
+    ];
     for l in 0..cfg.num_hidden_layers {
         for (n, t) in [
             ("attn_q", &w_q),
@@ -363,15 +456,24 @@ fn qllama(cfg: &Config, dt: GgmlDType, dev: &Device, protos: &mut Prototypes) ->
         ("llama.feed_forward_length", u(i)),
         ("llama.context_length", u(quantized_llama::MAX_SEQ_LEN)),
         ("llama.rope.dimension_count", u(hd)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(cfg.rms_norm_eps as f32)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(cfg.rms_norm_eps as f32),
+        ),
         ("llama.rope.freq_base", Value::F32(cfg.rope_theta)),
     ];
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = names.iter().map(|(k, t)| (k.as_str(), *t)).collect();
     let mut buf = std::io::Cursor::new(Vec::new());
-    gguf_file::write(&mut buf, &md_refs, &t_refs).with_context(|| format!("writing the {dt:?} GGUF"))?;
-    eprintln!("  wrote a {:.2} GB {dt:?} GGUF in memory", buf.get_ref().len() as f64 / 1e9);
+    gguf_file::write(&mut buf, &md_refs, &t_refs)
+        .with_context(|| format!("writing the {dt:?} GGUF"))?;
+    eprintln!(
+        "  wrote a {:.2} GB {dt:?} GGUF in memory",
+        buf.get_ref().len() as f64 / 1e9
+    );
     buf.set_position(0);
     let content = gguf_file::Content::read(&mut buf).context("reading back the GGUF")?;
-    Ok(quantized_llama::ModelWeights::from_gguf(content, &mut buf, dev)?)
+    Ok(quantized_llama::ModelWeights::from_gguf(
+        content, &mut buf, dev,
+    )?)
 }

@@ -14,7 +14,10 @@ use std::collections::HashMap;
 /// The format of ours that stores rows of `k` in candle's `dt` (so that a stock QMatMul row
 /// and ours read the same bytes).
 pub fn ggml_format(dt: GgmlDType, k: usize) -> Option<WeightFormat> {
-    WeightFormat::ALL.iter().copied().find(|&f| ggml::ggml_dtype(f, k) == Some((dt, false)))
+    WeightFormat::ALL
+        .iter()
+        .copied()
+        .find(|&f| ggml::ggml_dtype(f, k) == Some((dt, false)))
 }
 
 /// Per-shape dense sources (normal, std 1/√k, f32 on the bench's device) and per-(shape,
@@ -27,7 +30,11 @@ pub struct Prototypes {
 
 impl Prototypes {
     pub fn new(dev: &Device) -> Self {
-        Self { dev: dev.clone(), dense: HashMap::new(), layers: HashMap::new() }
+        Self {
+            dev: dev.clone(),
+            dense: HashMap::new(),
+            layers: HashMap::new(),
+        }
     }
 
     /// Seed the dense source of `[n, k]` with given values (so that a benchmark's stock and
@@ -48,30 +55,50 @@ impl Prototypes {
     }
 
     /// The prototype of `[n, k]` in `format` (dense ones in `dtype`).
-    pub fn layer(&mut self, n: usize, k: usize, format: WeightFormat, dtype: DType) -> Result<QLinear> {
+    pub fn layer(
+        &mut self,
+        n: usize,
+        k: usize,
+        format: WeightFormat,
+        dtype: DType,
+    ) -> Result<QLinear> {
         if let Some(l) = self.layers.get(&(n, k, format)) {
             return Ok(l.clone());
         }
         let t0 = std::time::Instant::now();
         let dense = QLinear::from_weight(self.dense(n, k, dtype)?, None)?;
-        let l = dense.quantize(format).with_context(|| format!("quantizing [{n}, {k}] to {format}"))?;
+        let l = dense
+            .quantize(format)
+            .with_context(|| format!("quantizing [{n}, {k}] to {format}"))?;
         if format != WeightFormat::Dense {
             self.dev.synchronize()?;
-            eprintln!("  quantized [{n}, {k}] to {} in {:.1}s", l.format_name(), t0.elapsed().as_secs_f64());
+            eprintln!(
+                "  quantized [{n}, {k}] to {} in {:.1}s",
+                l.format_name(),
+                t0.elapsed().as_secs_f64()
+            );
         }
         self.layers.insert((n, k, format), l.clone());
         Ok(l)
     }
 
     /// A fresh copy (own device buffers) of the prototype.
-    pub fn copy(&mut self, n: usize, k: usize, format: WeightFormat, dtype: DType) -> Result<QLinear> {
+    pub fn copy(
+        &mut self,
+        n: usize,
+        k: usize,
+        format: WeightFormat,
+        dtype: DType,
+    ) -> Result<QLinear> {
         Ok(self.layer(n, k, format, dtype)?.deep_copy()?)
     }
 
     /// The prototype's GGML bytes as a `QTensor` on `dev` (for stock candle's rows: a
     /// QMatMul, or a GGUF written for quantized_llama).
     pub fn qtensor(&mut self, n: usize, k: usize, dt: GgmlDType, dev: &Device) -> Result<QTensor> {
-        let Some(f) = ggml_format(dt, k) else { anyhow::bail!("no format of ours stores [{n}, {k}] as {dt:?}") };
+        let Some(f) = ggml_format(dt, k) else {
+            anyhow::bail!("no format of ours stores [{n}, {k}] as {dt:?}")
+        };
         let l = self.layer(n, k, f, DType::F32)?;
         Ok(ggml::qtensor_of(l.weights(), dev)?)
     }

@@ -48,12 +48,21 @@ pub struct Row {
 
 impl Row {
     pub fn new(group: &'static str, name: &str) -> Self {
-        Self { group, table: "", name: name.to_string(), status: Status::Ok, note: String::new(), fields: vec![] }
+        Self {
+            group,
+            table: "",
+            name: name.to_string(),
+            status: Status::Ok,
+            note: String::new(),
+            fields: vec![],
+        }
     }
 
     /// A number (NaN and infinities become null).
     pub fn num(mut self, key: &'static str, v: f64) -> Self {
-        let v = serde_json::Number::from_f64(v).map(Value::Number).unwrap_or(Value::Null);
+        let v = serde_json::Number::from_f64(v)
+            .map(Value::Number)
+            .unwrap_or(Value::Null);
         self.fields.push((key, v));
         self
     }
@@ -80,7 +89,10 @@ impl Row {
     }
 
     pub fn get(&self, key: &str) -> Option<f64> {
-        self.fields.iter().find(|(k, _)| *k == key).and_then(|(_, v)| v.as_f64())
+        self.fields
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, v)| v.as_f64())
     }
 
     pub fn to_json(&self) -> Value {
@@ -106,7 +118,12 @@ pub struct Report {
 
 impl Report {
     pub fn new(json: bool) -> Self {
-        Self { json, rows: vec![], printed: vec![], start: Instant::now() }
+        Self {
+            json,
+            rows: vec![],
+            printed: vec![],
+            start: Instant::now(),
+        }
     }
 
     pub fn elapsed_s(&self) -> f64 {
@@ -115,9 +132,23 @@ impl Report {
 
     /// Record a row: a progress line to stderr, and its JSON line to stdout with `--json`.
     pub fn push(&mut self, row: Row) {
-        let brief: Vec<String> = row.fields.iter().map(|(k, v)| format!("{k}={}", fmt_value(v))).collect();
-        let note = if row.note.is_empty() { String::new() } else { format!(" ({})", row.note) };
-        eprintln!("[{:6.1}s] {} {}{note}: {}", self.elapsed_s(), row.status.as_str(), row.name, brief.join(" "));
+        let brief: Vec<String> = row
+            .fields
+            .iter()
+            .map(|(k, v)| format!("{k}={}", fmt_value(v)))
+            .collect();
+        let note = if row.note.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", row.note)
+        };
+        eprintln!(
+            "[{:6.1}s] {} {}{note}: {}",
+            self.elapsed_s(),
+            row.status.as_str(),
+            row.name,
+            brief.join(" ")
+        );
         if self.json {
             let mut out = std::io::stdout().lock();
             let _ = writeln!(out, "{}", row.to_json());
@@ -139,8 +170,16 @@ impl Report {
         }
         let mut text = String::new();
         for t in tables {
-            let rows: Vec<&Row> = self.rows.iter().filter(|r| r.group == group && r.table == t).collect();
-            let title = if t.is_empty() { group.to_string() } else { format!("{group}: {t}") };
+            let rows: Vec<&Row> = self
+                .rows
+                .iter()
+                .filter(|r| r.group == group && r.table == t)
+                .collect();
+            let title = if t.is_empty() {
+                group.to_string()
+            } else {
+                format!("{group}: {t}")
+            };
             text.push_str(&table(&title, group, &rows));
         }
         if text.is_empty() {
@@ -201,22 +240,43 @@ fn table(title: &str, group: &str, rows: &[&Row]) -> String {
     for r in rows {
         let mut line = vec![r.name.strip_prefix(&prefix).unwrap_or(&r.name).to_string()];
         for k in &keys {
-            let v = r.fields.iter().find(|(kk, _)| kk == k).map(|(_, v)| fmt_value(v));
+            let v = r
+                .fields
+                .iter()
+                .find(|(kk, _)| kk == k)
+                .map(|(_, v)| fmt_value(v));
             line.push(v.unwrap_or_else(|| "-".into()));
         }
-        let note = if r.note.is_empty() { String::new() } else { format!(" {}", r.note) };
+        let note = if r.note.is_empty() {
+            String::new()
+        } else {
+            format!(" {}", r.note)
+        };
         line.push(format!("{}{note}", r.status.as_str()));
         cells.push(line);
     }
     let n_cols = cells[0].len();
-    let widths: Vec<usize> =
-        (0..n_cols).map(|c| cells.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..n_cols)
+        .map(|c| {
+            cells
+                .iter()
+                .map(|l| l[c].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
     let mut out = format!("\n## {title}\n");
     for (i, line) in cells.iter().enumerate() {
         let padded: Vec<String> = line
             .iter()
             .enumerate()
-            .map(|(c, s)| if c + 1 == n_cols { s.clone() } else { format!("{s:<w$}", w = widths[c]) })
+            .map(|(c, s)| {
+                if c + 1 == n_cols {
+                    s.clone()
+                } else {
+                    format!("{s:<w$}", w = widths[c])
+                }
+            })
             .collect();
         out.push_str(&format!("| {} |\n", padded.join(" | ")));
         if i == 0 {

@@ -24,19 +24,28 @@ pub struct Ctx {
 
 impl Ctx {
     pub fn new(dev: Device, args: &crate::Args) -> Result<Self> {
-        let dtype = if dev.is_cuda() { DType::F16 } else { DType::F32 };
+        let dtype = if dev.is_cuda() {
+            DType::F16
+        } else {
+            DType::F32
+        };
         let ceiling = crate::ceiling::Ceiling::new(&dev, args.quick)?;
         if !args.quick && !args.list {
             warm_up(&dev, 1.0)?;
         }
-        let deadline =
-            (args.budget_s > 0.0).then(|| Instant::now() + std::time::Duration::from_secs_f64(args.budget_s));
+        let deadline = (args.budget_s > 0.0)
+            .then(|| Instant::now() + std::time::Duration::from_secs_f64(args.budget_s));
         Ok(Self {
             dev,
             dtype,
             quick: args.quick,
             iters: args.iters.max(1),
-            filters: args.filter.iter().filter(|f| !f.is_empty()).cloned().collect(),
+            filters: args
+                .filter
+                .iter()
+                .filter(|f| !f.is_empty())
+                .cloned()
+                .collect(),
             list: args.list,
             ms: args.m.clone(),
             report: Report::new(args.json),
@@ -72,7 +81,9 @@ impl Ctx {
     /// After a failed row: make sure the device still works (a sticky CUDA error, e.g.
     /// an illegal address, poisons every later row; stop then rather than report garbage).
     pub fn check_device(&self) -> Result<()> {
-        self.dev.synchronize().map_err(|e| anyhow::anyhow!("the device is unusable after an error, stopping: {e}"))
+        self.dev
+            .synchronize()
+            .map_err(|e| anyhow::anyhow!("the device is unusable after an error, stopping: {e}"))
     }
 }
 
@@ -80,7 +91,13 @@ impl Ctx {
 pub fn classify(e: &anyhow::Error) -> (Status, String) {
     let s = format!("{e:#}");
     let lower = s.to_lowercase();
-    let first = s.lines().next().unwrap_or("").chars().take(160).collect::<String>();
+    let first = s
+        .lines()
+        .next()
+        .unwrap_or("")
+        .chars()
+        .take(160)
+        .collect::<String>();
     if lower.contains("out of memory") || lower.contains("out_of_memory") {
         (Status::Oom, first)
     } else {
@@ -152,7 +169,11 @@ pub fn time_batched(
     }
     let min = v.iter().cloned().fold(f64::INFINITY, f64::min);
     let max = v.iter().cloned().fold(0f64, f64::max);
-    Ok(Timing { median: median(&mut v), min, max })
+    Ok(Timing {
+        median: median(&mut v),
+        min,
+        max,
+    })
 }
 
 /// How many copies of a `bytes`-sized buffer to cycle through so that together they
@@ -167,7 +188,12 @@ pub fn rotation(bytes: usize, max: usize) -> usize {
 pub fn rel_err(y: &Tensor, r: &Tensor) -> Result<f64> {
     let y = y.to_dtype(DType::F32)?;
     let r = r.to_dtype(DType::F32)?;
-    anyhow::ensure!(y.dims() == r.dims(), "output {:?} vs reference {:?}", y.dims(), r.dims());
+    anyhow::ensure!(
+        y.dims() == r.dims(),
+        "output {:?} vs reference {:?}",
+        y.dims(),
+        r.dims()
+    );
     let num = (&y - &r)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
     let den = r.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
     let e = (num / den.max(1e-30)).sqrt();
@@ -198,7 +224,10 @@ pub fn nbytes(t: &Tensor) -> usize {
 /// every millisecond while alive; `stop` returns the peak in bytes (None on the CPU).
 pub struct MemSampler {
     #[cfg(feature = "cuda")]
-    inner: Option<(std::sync::Arc<std::sync::atomic::AtomicBool>, std::thread::JoinHandle<usize>)>,
+    inner: Option<(
+        std::sync::Arc<std::sync::atomic::AtomicBool>,
+        std::thread::JoinHandle<usize>,
+    )>,
 }
 
 impl MemSampler {
@@ -206,7 +235,9 @@ impl MemSampler {
         #[cfg(feature = "cuda")]
         {
             use std::sync::atomic::{AtomicBool, Ordering};
-            let Device::Cuda(d) = dev else { return Self { inner: None } };
+            let Device::Cuda(d) = dev else {
+                return Self { inner: None };
+            };
             let ctx = d.cuda_stream().context().clone();
             let stop = std::sync::Arc::new(AtomicBool::new(false));
             let stop2 = stop.clone();
@@ -222,7 +253,9 @@ impl MemSampler {
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
             });
-            Self { inner: Some((stop, handle)) }
+            Self {
+                inner: Some((stop, handle)),
+            }
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -255,7 +288,9 @@ pub fn device_info(dev: &Device) -> (String, usize) {
         use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
         let ctx = d.cuda_stream().context().clone();
         let name = ctx.name().unwrap_or_else(|_| "cuda".into());
-        let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(132);
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap_or(132);
         return (name, sms.max(1) as usize);
     }
     let _ = dev;
@@ -268,10 +303,14 @@ pub fn gib(bytes: usize) -> f64 {
 
 /// Seeded token ids `[b, n]` in `0..vocab`.
 pub fn token_ids(b: usize, n: usize, vocab: usize, seed: u64, dev: &Device) -> Result<Tensor> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let ids: Vec<u32> = (0..b * n)
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((x >> 33) % vocab as u64) as u32
         })
         .collect();

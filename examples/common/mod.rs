@@ -105,22 +105,41 @@ pub struct CalibArgs {
 
 impl CalibArgs {
     pub fn quant_options(&self) -> QuantOptions {
-        QuantOptions { gptq: GptqConfig { damp: self.gptq_damp, block: self.gptq_block, act_order: self.gptq_act_order } }
+        QuantOptions {
+            gptq: GptqConfig {
+                damp: self.gptq_damp,
+                block: self.gptq_block,
+                act_order: self.gptq_act_order,
+            },
+        }
     }
 
     pub fn config(&self) -> CalibConfig {
-        CalibConfig { samples: self.calib_samples, len: self.calib_len, seed: self.calib_seed, batch: self.calib_batch }
+        CalibConfig {
+            samples: self.calib_samples,
+            len: self.calib_len,
+            seed: self.calib_seed,
+            batch: self.calib_batch,
+        }
     }
 
     /// `--calib`, else the default text where it exists.
     pub fn source(&self) -> Option<CalibSource> {
-        let path = self.calib.clone().or_else(|| Some(PathBuf::from(DEFAULT_CALIB)).filter(|p| p.is_file()))?;
-        Some(CalibSource { path, config: self.config() })
+        let path = self
+            .calib
+            .clone()
+            .or_else(|| Some(PathBuf::from(DEFAULT_CALIB)).filter(|p| p.is_file()))?;
+        Some(CalibSource {
+            path,
+            config: self.config(),
+        })
     }
 
     /// Check what a format needs before anything is loaded.
     pub fn check(&self, format: Option<WeightFormat>) -> Result<()> {
-        let Some(f) = format.filter(|f| f.needs_calibration()) else { return Ok(()) };
+        let Some(f) = format.filter(|f| f.needs_calibration()) else {
+            return Ok(());
+        };
         match (&self.calib, self.source()) {
             (Some(p), _) if !p.is_file() => anyhow::bail!("--calib {} does not exist", p.display()),
             (None, None) => anyhow::bail!(
@@ -195,7 +214,10 @@ pub fn print_formats() {
     for f in WeightFormat::ALL {
         let s = f.spec();
         let cal = if f.needs_calibration() { "yes" } else { "no" };
-        println!("{:<10} {:<7} {:<11} {}", s.name, s.error_bound, cal, s.about);
+        println!(
+            "{:<10} {:<7} {:<11} {}",
+            s.name, s.error_bound, cal, s.about
+        );
     }
 }
 
@@ -247,16 +269,28 @@ pub fn load(args: &ModelArgs) -> Result<Session> {
     args.calib.check(args.quant)?;
     let device = device(args.cpu)?;
     let dtype = dtype(args.dtype, &device);
-    let source = ModelSource::resolve(args.model.as_deref(), args.model_id.as_deref(), &args.revision)?;
+    let source = ModelSource::resolve(
+        args.model.as_deref(),
+        args.model_id.as_deref(),
+        &args.revision,
+    )?;
     let mut bars = Bars::new();
     let mut opts = LoadOptions::new(dtype, &device, args.quant, &mut bars);
     opts.quant_options = args.calib.quant_options();
     opts.calib = args.calib.source();
     let t0 = std::time::Instant::now();
-    let loaded = loader::load(&source, opts).with_context(|| format!("loading the model from {}", source.path().display()))?;
+    let loaded = loader::load(&source, opts)
+        .with_context(|| format!("loading the model from {}", source.path().display()))?;
     device.synchronize()?;
     let load_secs = t0.elapsed().as_secs_f64();
-    Ok(Session { device, dtype, source, loaded, kv_cache: args.kv_cache, load_secs })
+    Ok(Session {
+        device,
+        dtype,
+        source,
+        loaded,
+        kv_cache: args.kv_cache,
+        load_secs,
+    })
 }
 
 /// The weight format as it runs: `dense f32` for `f16` on the CPU, else the format's name.
@@ -282,8 +316,14 @@ pub fn describe(s: &Session) -> Result<String> {
     let fallbacks = s.loaded.fallbacks();
     if !fallbacks.is_empty() {
         let n = s.loaded.model.linears().len() - 1;
-        let took: Vec<String> = fallbacks.iter().map(|(e, c)| format!("{c} -> {e}")).collect();
-        line += &format!(" | of {n} block layers, {} (rows not a multiple of 256)", took.join(", "));
+        let took: Vec<String> = fallbacks
+            .iter()
+            .map(|(e, c)| format!("{c} -> {e}"))
+            .collect();
+        line += &format!(
+            " | of {n} block layers, {} (rows not a multiple of 256)",
+            took.join(", ")
+        );
     }
     line += &format!(" | kv cache {}", s.kv_cache);
     if let Some(q) = &s.loaded.quantized {
@@ -293,7 +333,10 @@ pub fn describe(s: &Session) -> Result<String> {
         line += &format!(" | checkpoint loaded in {:.2}s", s.load_secs);
     }
     if let Some(c) = &s.loaded.calibration {
-        line += &format!(" | calibrated on {} ({} x {} tokens, sha256 {:.12})", c.file, c.samples, c.len, c.sha256);
+        line += &format!(
+            " | calibrated on {} ({} x {} tokens, sha256 {:.12})",
+            c.file, c.samples, c.len, c.sha256
+        );
     }
     Ok(line)
 }
@@ -302,10 +345,13 @@ pub fn describe(s: &Session) -> Result<String> {
 pub fn stock_name(source: &ModelSource, dtype: DType) -> String {
     match source {
         ModelSource::Gguf(_) if std::env::var_os("CANDLE_DEQUANTIZE_ALL").is_some() => {
-            "stock candle quantized_llama (the GGUF's weights dequantized: CANDLE_DEQUANTIZE_ALL)".to_string()
+            "stock candle quantized_llama (the GGUF's weights dequantized: CANDLE_DEQUANTIZE_ALL)"
+                .to_string()
         }
         ModelSource::Gguf(_) => "stock candle quantized_llama (the GGUF's own weights)".to_string(),
         ModelSource::HfDir(_) => format!("stock candle llama (dense {})", dtype.as_str()),
-        ModelSource::Checkpoint(_) => "stock candle (cannot read a candle-lowbit checkpoint)".to_string(),
+        ModelSource::Checkpoint(_) => {
+            "stock candle (cannot read a candle-lowbit checkpoint)".to_string()
+        }
     }
 }

@@ -2,7 +2,9 @@
 //! is measured against, and the fastest path for f16 today (the skinny-matmul kernel at
 //! decode sizes, cuBLAS above; `src/ops/gemv.rs`).
 
-use super::{Calibration, Codec, Epilogue, FormatSpec, LinearWeights, Plan, QuantOptions, WeightFormat};
+use super::{
+    Calibration, Codec, Epilogue, FormatSpec, LinearWeights, Plan, QuantOptions, WeightFormat,
+};
 use candle_core::{DType, Device, Result, Tensor};
 use std::collections::HashMap;
 
@@ -40,7 +42,10 @@ impl DenseWeights {
     pub fn new(w: Tensor) -> Result<Self> {
         let (n, k) = w.dims2()?;
         if !matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-            candle_core::bail!("dense weight [{n}, {k}] has dtype {:?} (f32, f16 or bf16)", w.dtype())
+            candle_core::bail!(
+                "dense weight [{n}, {k}] has dtype {:?} (f32, f16 or bf16)",
+                w.dtype()
+            )
         }
         let gemv = gemv_plan(&w);
         Ok(Self { w, gemv })
@@ -100,7 +105,11 @@ impl LinearWeights for DenseWeights {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.dtype() != self.w.dtype() {
-            candle_core::bail!("dense layer: input dtype {:?} != weight dtype {:?}", x.dtype(), self.w.dtype())
+            candle_core::bail!(
+                "dense layer: input dtype {:?} != weight dtype {:?}",
+                x.dtype(),
+                self.w.dtype()
+            )
         }
         if self.use_gemv(x) {
             return crate::ops::gemv(x, &self.w, x.dtype());
@@ -119,7 +128,11 @@ impl LinearWeights for DenseWeights {
             (Ok(()), _) => Err(format!("{n} rows cannot split into gate and up")),
             (Err(why), _) => Err(why.clone()),
         };
-        Plan { matmul, silu_mul, f32_out: self.gemv.clone() }
+        Plan {
+            matmul,
+            silu_mul,
+            f32_out: self.gemv.clone(),
+        }
     }
 
     fn forward_fused(&self, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>> {
@@ -127,7 +140,9 @@ impl LinearWeights for DenseWeights {
             return None;
         }
         match e {
-            Epilogue::SiluMul if self.shape().0 % 2 == 0 => Some(crate::ops::gemv_silu_mul(x, &self.w)),
+            Epilogue::SiluMul if self.shape().0.is_multiple_of(2) => {
+                Some(crate::ops::gemv_silu_mul(x, &self.w))
+            }
             Epilogue::SiluMul => None,
             Epilogue::F32Out => Some(crate::ops::gemv(x, &self.w, DType::F32)),
         }
@@ -151,7 +166,7 @@ impl Codec for DenseCodec {
         Ok(Box::new(DenseWeights::new(w.clone())?))
     }
 
-    fn from_tensors(
+    fn rebuild(
         &self,
         format: WeightFormat,
         shape: (usize, usize),
@@ -159,7 +174,12 @@ impl Codec for DenseCodec {
     ) -> Result<Box<dyn LinearWeights>> {
         let w = super::field(tensors, "weight", format, shape)?;
         if w.dims() != [shape.0, shape.1] {
-            candle_core::bail!("dense weight is {:?}, expected [{}, {}]", w.dims(), shape.0, shape.1)
+            candle_core::bail!(
+                "dense weight is {:?}, expected [{}, {}]",
+                w.dims(),
+                shape.0,
+                shape.1
+            )
         }
         Ok(Box::new(DenseWeights::new(w.clone())?))
     }

@@ -6,7 +6,7 @@
 //!   calibration statistics, whether its decode step captures into a CUDA graph, its stored
 //!   layout version, and its [`Codec`] — how dense weights become packed ones
 //!   ([`Codec::quantize`]) and how stored tensors become them again
-//!   ([`Codec::from_tensors`]);
+//!   ([`Codec::rebuild`]);
 //! - packed weights behind [`LinearWeights`]: shape, bytes, dequantize, forward, the
 //!   tensors a checkpoint stores, and optional fused paths ([`Epilogue`]) that return
 //!   `None` where they do not apply, decided once when the layer is built ([`Plan`]);
@@ -65,21 +65,17 @@ pub struct FormatSpec {
 
 impl std::fmt::Debug for FormatSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FormatSpec").field("name", &self.name).finish_non_exhaustive()
+        f.debug_struct("FormatSpec")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }
 
 /// Options of a quantizer; each format reads the ones it uses and records them.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct QuantOptions {
     /// GPTQ settings (formats with [`Calibration::Hessian`]).
     pub gptq: crate::gptq::GptqConfig,
-}
-
-impl Default for QuantOptions {
-    fn default() -> Self {
-        Self { gptq: crate::gptq::GptqConfig::default() }
-    }
 }
 
 /// How a format turns weights into its encoding and back.
@@ -97,7 +93,7 @@ pub trait Codec: Sync {
     /// Rebuild `[n, k]` weights from the tensors [`LinearWeights::tensors`] produced (by
     /// field name), on their device. Rejects missing fields and wrong shapes or dtypes,
     /// naming them.
-    fn from_tensors(
+    fn rebuild(
         &self,
         format: WeightFormat,
         shape: (usize, usize),
@@ -213,7 +209,7 @@ pub trait LinearWeights: std::fmt::Debug + Send + Sync {
     }
 
     /// Every tensor of the encoding by field name, each with the `n` rows along dim 0 (the
-    /// checkpoint's content; [`Codec::from_tensors`] reads it back).
+    /// checkpoint's content; [`Codec::rebuild`] reads it back).
     fn tensors(&self) -> Result<Vec<(String, Tensor)>>;
 }
 
@@ -272,7 +268,10 @@ impl WeightFormat {
     /// The formats whose speed the bench times: each storage once (a GPTQ variant stores
     /// exactly as its round-to-nearest twin).
     pub fn timed() -> impl Iterator<Item = Self> {
-        Self::ALL.iter().copied().filter(|f| f.spec().stores_as.is_none())
+        Self::ALL
+            .iter()
+            .copied()
+            .filter(|f| f.spec().stores_as.is_none())
     }
 
     pub fn needs_calibration(&self) -> bool {

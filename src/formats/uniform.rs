@@ -46,14 +46,44 @@ macro_rules! uniform_spec {
             graph_safe: true,
             version: 1,
             stores_as: $stores,
-            codec: &UniformCodec { bits: $bits, gptq: $gptq },
+            codec: &UniformCodec {
+                bits: $bits,
+                gptq: $gptq,
+            },
         };
     };
 }
 
-uniform_spec!(INT4, "int4", 4, false, None, None, 0.12, "4-bit asymmetric groups of 128, round to nearest");
-uniform_spec!(INT3, "int3", 3, false, None, None, 0.25, "3-bit asymmetric groups of 128, round to nearest");
-uniform_spec!(INT2, "int2", 2, false, None, None, 0.6, "2-bit asymmetric groups of 128, round to nearest");
+uniform_spec!(
+    INT4,
+    "int4",
+    4,
+    false,
+    None,
+    None,
+    0.12,
+    "4-bit asymmetric groups of 128, round to nearest"
+);
+uniform_spec!(
+    INT3,
+    "int3",
+    3,
+    false,
+    None,
+    None,
+    0.25,
+    "3-bit asymmetric groups of 128, round to nearest"
+);
+uniform_spec!(
+    INT2,
+    "int2",
+    2,
+    false,
+    None,
+    None,
+    0.6,
+    "2-bit asymmetric groups of 128, round to nearest"
+);
 uniform_spec!(
     INT4_GPTQ,
     "int4-gptq",
@@ -136,18 +166,30 @@ pub fn code_at(row: &[u32], j: usize, bits: u32) -> u8 {
 /// The codes `[n, k]` of packed words `[n, words_per_row(k, bits)]`.
 pub fn unpack(words: &[u32], n: usize, k: usize, bits: u32) -> Vec<u8> {
     let wpr = words_per_row(k, bits);
-    (0..n).flat_map(|r| (0..k).map(move |j| code_at(&words[r * wpr..(r + 1) * wpr], j, bits))).collect()
+    (0..n)
+        .flat_map(|r| (0..k).map(move |j| code_at(&words[r * wpr..(r + 1) * wpr], j, bits)))
+        .collect()
 }
 
 /// The weight `[n, k]` in f32: `q · scale + zero` per group (the kernels compute exactly
 /// this, without a fused multiply-add, then round once to their output dtype).
-pub fn dequantize(words: &[u32], scales: &[f16], zeros: &[f16], n: usize, k: usize, bits: u32) -> Vec<f32> {
+pub fn dequantize(
+    words: &[u32],
+    scales: &[f16],
+    zeros: &[f16],
+    n: usize,
+    k: usize,
+    bits: u32,
+) -> Vec<f32> {
     let (wpr, g) = (words_per_row(k, bits), groups(k));
     let mut out = Vec::with_capacity(n * k);
     for r in 0..n {
         let row = &words[r * wpr..(r + 1) * wpr];
         for j in 0..k {
-            let (s, z) = (scales[r * g + j / GROUP].to_f32(), zeros[r * g + j / GROUP].to_f32());
+            let (s, z) = (
+                scales[r * g + j / GROUP].to_f32(),
+                zeros[r * g + j / GROUP].to_f32(),
+            );
             out.push(f32::from(code_at(row, j, bits)) * s + z);
         }
     }
@@ -171,7 +213,11 @@ impl UniformRule {
 
     fn scale_zero(&self, mn: f32, mx: f32) -> (f32, f32) {
         let scale = f16::from_f32((mx - mn) / self.maxq()).to_f32();
-        let scale = if scale > 0.0 && scale.is_finite() { scale } else { 1.0 };
+        let scale = if scale > 0.0 && scale.is_finite() {
+            scale
+        } else {
+            1.0
+        };
         (scale, f16::from_f32(mn).to_f32())
     }
 }
@@ -201,7 +247,9 @@ impl GroupRule for UniformRule {
     fn fit_t(&self, _group: usize, wt: &Tensor) -> Result<Tensor> {
         let mn = wt.min_keepdim(0)?;
         let mx = wt.max_keepdim(0)?;
-        let scale = ((&mx - &mn)? / self.maxq() as f64)?.to_dtype(DType::F16)?.to_dtype(DType::F32)?;
+        let scale = ((&mx - &mn)? / self.maxq() as f64)?
+            .to_dtype(DType::F16)?
+            .to_dtype(DType::F32)?;
         // Where the range is 0 (or the scale underflows), scale 1: every code is 0.
         let ok = scale.gt(0f64)?;
         let scale = ok.where_cond(&scale, &scale.ones_like()?)?;
@@ -211,7 +259,11 @@ impl GroupRule for UniformRule {
 
     fn quantize_t(&self, _col: usize, wt: &Tensor, p: &Tensor) -> Result<(Tensor, Tensor)> {
         let (scale, zero) = (p.narrow(0, 0, 1)?, p.narrow(0, 1, 1)?);
-        let q = wt.broadcast_sub(&zero)?.broadcast_div(&scale)?.round()?.clamp(0f32, self.maxq())?;
+        let q = wt
+            .broadcast_sub(&zero)?
+            .broadcast_div(&scale)?
+            .round()?
+            .clamp(0f32, self.maxq())?;
         let v = q.broadcast_mul(&scale)?.broadcast_add(&zero)?;
         Ok((q.to_dtype(DType::U8)?, v))
     }
@@ -237,15 +289,31 @@ pub struct UniformWeights {
 impl UniformWeights {
     /// From codes u8 `[n, k]` and parameters f32 `[n, groups(k), 2]` (scale, zero; already
     /// f16-representable), packing the codes on their device.
-    pub fn from_codes(format: WeightFormat, bits: u32, codes: &Tensor, params: &Tensor) -> Result<Self> {
+    pub fn from_codes(
+        format: WeightFormat,
+        bits: u32,
+        codes: &Tensor,
+        params: &Tensor,
+    ) -> Result<Self> {
         let (n, k) = codes.dims2()?;
         let g = groups(k);
         if params.dims() != [n, g, 2] {
-            candle_core::bail!("uniform: params {:?} for codes [{n}, {k}], expected [{n}, {g}, 2]", params.shape())
+            candle_core::bail!(
+                "uniform: params {:?} for codes [{n}, {k}], expected [{n}, {g}, 2]",
+                params.shape()
+            )
         }
         let qweight = crate::ops::uniform_pack(codes, bits)?;
-        let scales = params.narrow(2, 0, 1)?.squeeze(2)?.to_dtype(DType::F16)?.contiguous()?;
-        let zeros = params.narrow(2, 1, 1)?.squeeze(2)?.to_dtype(DType::F16)?.contiguous()?;
+        let scales = params
+            .narrow(2, 0, 1)?
+            .squeeze(2)?
+            .to_dtype(DType::F16)?
+            .contiguous()?;
+        let zeros = params
+            .narrow(2, 1, 1)?
+            .squeeze(2)?
+            .to_dtype(DType::F16)?
+            .contiguous()?;
         Self::new(format, bits, (n, k), qweight, scales, zeros)
     }
 
@@ -257,10 +325,22 @@ impl UniformWeights {
         scales: Tensor,
         zeros: Tensor,
     ) -> Result<Self> {
-        super::expect(&qweight, "qweight", &[n, words_per_row(k, bits)], DType::U32)?;
+        super::expect(
+            &qweight,
+            "qweight",
+            &[n, words_per_row(k, bits)],
+            DType::U32,
+        )?;
         super::expect(&scales, "scales", &[n, groups(k)], DType::F16)?;
         super::expect(&zeros, "zeros", &[n, groups(k)], DType::F16)?;
-        Ok(Self { format, bits, shape: (n, k), qweight, scales, zeros })
+        Ok(Self {
+            format,
+            bits,
+            shape: (n, k),
+            qweight,
+            scales,
+            zeros,
+        })
     }
 
     pub fn bits(&self) -> u32 {
@@ -269,7 +349,14 @@ impl UniformWeights {
 
     /// The weight `[n, k]` in `dtype` (the kernel on the GPU, the reference on the CPU).
     pub fn dequantize_to(&self, dtype: DType) -> Result<Tensor> {
-        crate::ops::uniform_dequantize(&self.qweight, &self.scales, &self.zeros, self.shape.1, self.bits, dtype)
+        crate::ops::uniform_dequantize(
+            &self.qweight,
+            &self.scales,
+            &self.zeros,
+            self.shape.1,
+            self.bits,
+            dtype,
+        )
     }
 }
 
@@ -298,14 +385,21 @@ impl LinearWeights for UniformWeights {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match x.dtype() {
             DType::F32 | DType::F16 | DType::BF16 => x.matmul(&self.dequantize_to(x.dtype())?.t()?),
-            dt => candle_core::bail!("{}: unsupported input dtype {dt:?} (f32, f16, bf16)", self.format),
+            dt => candle_core::bail!(
+                "{}: unsupported input dtype {dt:?} (f32, f16, bf16)",
+                self.format
+            ),
         }
     }
 
     fn plan(&self) -> Plan {
-        let none = || Err("the reference path (dequantize + matmul) has no fused epilogue".to_string());
+        let none =
+            || Err("the reference path (dequantize + matmul) has no fused epilogue".to_string());
         Plan {
-            matmul: format!("{}: dequantize to the input dtype + candle matmul, every call (reference path)", self.format),
+            matmul: format!(
+                "{}: dequantize to the input dtype + candle matmul, every call (reference path)",
+                self.format
+            ),
             silu_mul: none(),
             f32_out: none(),
         }
@@ -344,16 +438,25 @@ impl Codec for UniformCodec {
                 w.shape()
             ),
         };
-        Ok(Box::new(UniformWeights::from_codes(format, self.bits, &q.codes, &q.params)?))
+        Ok(Box::new(UniformWeights::from_codes(
+            format, self.bits, &q.codes, &q.params,
+        )?))
     }
 
-    fn from_tensors(
+    fn rebuild(
         &self,
         format: WeightFormat,
         shape: (usize, usize),
         tensors: &HashMap<String, Tensor>,
     ) -> Result<Box<dyn LinearWeights>> {
         let get = |name: &str| super::field(tensors, name, format, shape).cloned();
-        Ok(Box::new(UniformWeights::new(format, self.bits, shape, get("qweight")?, get("scales")?, get("zeros")?)?))
+        Ok(Box::new(UniformWeights::new(
+            format,
+            self.bits,
+            shape,
+            get("qweight")?,
+            get("scales")?,
+            get("zeros")?,
+        )?))
     }
 }

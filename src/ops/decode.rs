@@ -32,7 +32,7 @@ impl Heads {
         (8..=128).contains(&self.hd)
             && 128 % self.hd == 0
             && self.nkv > 0
-            && self.nh % self.nkv == 0
+            && self.nh.is_multiple_of(self.nkv)
             && self.nh / self.nkv <= 8
     }
 }
@@ -81,7 +81,11 @@ macro_rules! cpu_mut {
             fn slice_mut(s: &mut CpuStorage) -> Result<&mut [Self]> {
                 match s {
                     CpuStorage::$v(v) => Ok(v.as_mut_slice()),
-                    other => Err(msg(format!("expected {:?} storage, got {:?}", <$t>::DTYPE, other.dtype()))),
+                    other => Err(msg(format!(
+                        "expected {:?} storage, got {:?}",
+                        <$t>::DTYPE,
+                        other.dtype()
+                    ))),
                 }
             }
         }
@@ -107,9 +111,17 @@ fn t<T: WithDType>(x: f32) -> T {
 /// `embedding` (whose index upload is not). Ids must be `< vocab`.
 pub fn embed_gather(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if ids.dtype() != DType::U32 || ids.rank() != 1 || table.rank() != 2 {
-        candle_core::bail!("embed_gather: table {:?} {:?}, ids {:?} {:?}", table.shape(), table.dtype(), ids.shape(), ids.dtype())
+        candle_core::bail!(
+            "embed_gather: table {:?} {:?}, ids {:?} {:?}",
+            table.shape(),
+            table.dtype(),
+            ids.shape(),
+            ids.dtype()
+        )
     }
-    table.contiguous()?.apply_op2_no_bwd(&ids.contiguous()?, &EmbedGather)
+    table
+        .contiguous()?
+        .apply_op2_no_bwd(&ids.contiguous()?, &EmbedGather)
 }
 
 struct EmbedGather;
@@ -119,10 +131,22 @@ impl CustomOp2 for EmbedGather {
         "embed-gather"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (vocab, h) = l1.shape().dims2()?;
         let ids = contiguous_slice::<u32>(s2, l2, "ids")?;
-        fn run<T: WithDType>(s: &CpuStorage, l: &Layout, ids: &[u32], vocab: usize, h: usize) -> Result<CpuStorage> {
+        fn run<T: WithDType>(
+            s: &CpuStorage,
+            l: &Layout,
+            ids: &[u32],
+            vocab: usize,
+            h: usize,
+        ) -> Result<CpuStorage> {
             let table = contiguous_slice::<T>(s, l, "table")?;
             let mut out = Vec::with_capacity(ids.len() * h);
             for &id in ids {
@@ -159,7 +183,10 @@ impl CustomOp2 for EmbedGather {
 pub fn silu_mul(gu: &Tensor) -> Result<Tensor> {
     let w = gu.dim(candle_core::D::Minus1)?;
     if w % 2 != 0 {
-        candle_core::bail!("silu_mul: last dim of {:?} must be even (gate then up)", gu.shape())
+        candle_core::bail!(
+            "silu_mul: last dim of {:?} must be even (gate then up)",
+            gu.shape()
+        )
     }
     gu.contiguous()?.apply_op1_no_bwd(&SiluMul)
 }
@@ -198,16 +225,30 @@ impl CustomOp1 for SiluMul {
         let shape = silu_mul_shape(l);
         let inter = *shape.dims().last().unwrap_or(&0);
         fn run<T: WithDType>(s: &CpuStorage, l: &Layout, inter: usize) -> Result<CpuStorage> {
-            Ok(T::to_cpu_storage_owned(silu_mul_ref(contiguous_slice::<T>(s, l, "gu")?, inter)))
+            Ok(T::to_cpu_storage_owned(silu_mul_ref(
+                contiguous_slice::<T>(s, l, "gu")?,
+                inter,
+            )))
         }
-        Ok((dispatch_float!(s.dtype(), "silu_mul", run, s, l, inter)?, shape))
+        Ok((
+            dispatch_float!(s.dtype(), "silu_mul", run, s, l, inter)?,
+            shape,
+        ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
         let shape = silu_mul_shape(l);
         let inter = *shape.dims().last().unwrap_or(&0);
-        let rows = if inter == 0 { 0 } else { shape.elem_count() / inter };
+        let rows = if inter == 0 {
+            0
+        } else {
+            shape.elem_count() / inter
+        };
         Ok((cuda::silu_mul(s, l, rows, inter)?, shape))
     }
 }
@@ -220,22 +261,54 @@ impl CustomOp1 for SiluMul {
 pub fn rope_kv_append(cache: &Tensor, qkv: &Tensor, heads: Heads, p: &StepPositions) -> Result<()> {
     let (b, seq, w) = qkv.dims3()?;
     let (two, cb, nkv, max_len, hd) = cache.dims5()?;
-    if w != heads.qkv_width() || two != 2 || cb != b || nkv != heads.nkv || hd != heads.hd || seq > max_len {
-        candle_core::bail!("rope_kv_append: qkv {:?} does not fit cache {:?} for {heads:?}", qkv.shape(), cache.shape())
+    if w != heads.qkv_width()
+        || two != 2
+        || cb != b
+        || nkv != heads.nkv
+        || hd != heads.hd
+        || seq > max_len
+    {
+        candle_core::bail!(
+            "rope_kv_append: qkv {:?} does not fit cache {:?} for {heads:?}",
+            qkv.shape(),
+            cache.shape()
+        )
     }
     if qkv.dtype() != cache.dtype() {
-        candle_core::bail!("rope_kv_append: qkv {:?} vs cache {:?}", qkv.dtype(), cache.dtype())
+        candle_core::bail!(
+            "rope_kv_append: qkv {:?} vs cache {:?}",
+            qkv.dtype(),
+            cache.dtype()
+        )
     }
     check_positions(p, b, hd)?;
-    cache.inplace_op2(&qkv.contiguous()?, &RopeKvAppend { heads, p: p.clone() })
+    cache.inplace_op2(
+        &qkv.contiguous()?,
+        &RopeKvAppend {
+            heads,
+            p: p.clone(),
+        },
+    )
 }
 
 fn check_positions(p: &StepPositions, b: usize, hd: usize) -> Result<()> {
-    if p.pos.dtype() != DType::U32 || p.pos.elem_count() != 1 || p.pads.dtype() != DType::U32 || p.pads.elem_count() != b {
-        candle_core::bail!("positions: pos {:?} and pads {:?} must be u32 [1] and [{b}]", p.pos.shape(), p.pads.shape())
+    if p.pos.dtype() != DType::U32
+        || p.pos.elem_count() != 1
+        || p.pads.dtype() != DType::U32
+        || p.pads.elem_count() != b
+    {
+        candle_core::bail!(
+            "positions: pos {:?} and pads {:?} must be u32 [1] and [{b}]",
+            p.pos.shape(),
+            p.pads.shape()
+        )
     }
     if p.cos.dtype() != DType::F32 || p.cos.dim(1)? * 2 != hd || p.sin.shape() != p.cos.shape() {
-        candle_core::bail!("positions: rope tables {:?} must be f32 [max_pos, {}]", p.cos.shape(), hd / 2)
+        candle_core::bail!(
+            "positions: rope tables {:?} must be f32 [max_pos, {}]",
+            p.cos.shape(),
+            hd / 2
+        )
     }
     Ok(())
 }
@@ -269,7 +342,10 @@ impl HostPositions {
     fn rotate(&self, x: &[f32], rpos: usize, out: &mut [f32]) -> Result<()> {
         let h = self.half;
         if (rpos + 1) * h > self.cos.len() {
-            candle_core::bail!("rope: position {rpos} beyond the table of {} positions", self.cos.len() / h)
+            candle_core::bail!(
+                "rope: position {rpos} beyond the table of {} positions",
+                self.cos.len() / h
+            )
         }
         for j in 0..h {
             let (c, s) = (self.cos[rpos * h + j], self.sin[rpos * h + j]);
@@ -289,17 +365,32 @@ impl InplaceOp2 for RopeKvAppend {
         "rope-kv-append"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
         let hp = HostPositions::read(&self.p)?;
         let dims = l1.shape().dims().to_vec();
         let seq = l2.shape().dims()[1];
         fn run<T: CpuMut>(
-            op: &RopeKvAppend, hp: &HostPositions, cache: &mut CpuStorage, dims: &[usize], seq: usize, qkv: &[T],
+            op: &RopeKvAppend,
+            hp: &HostPositions,
+            cache: &mut CpuStorage,
+            dims: &[usize],
+            seq: usize,
+            qkv: &[T],
         ) -> Result<()> {
             let Heads { nh, nkv, hd } = op.heads;
             let (b, max_len) = (dims[1], dims[3]);
             if hp.pos + seq > max_len {
-                candle_core::bail!("rope_kv_append: rows {}..{} past the cache's {max_len}", hp.pos, hp.pos + seq)
+                candle_core::bail!(
+                    "rope_kv_append: rows {}..{} past the cache's {max_len}",
+                    hp.pos,
+                    hp.pos + seq
+                )
             }
             let cache: &mut [T] = T::slice_mut(cache)?;
             let (w, mut rot) = (op.heads.qkv_width(), vec![0f32; hd]);
@@ -307,7 +398,10 @@ impl InplaceOp2 for RopeKvAppend {
                 for i in 0..seq {
                     let row = &qkv[(s * seq + i) * w..(s * seq + i + 1) * w];
                     for kh in 0..nkv {
-                        let k: Vec<f32> = row[(nh + kh) * hd..(nh + kh + 1) * hd].iter().map(|&x| f(x)).collect();
+                        let k: Vec<f32> = row[(nh + kh) * hd..(nh + kh + 1) * hd]
+                            .iter()
+                            .map(|&x| f(x))
+                            .collect();
                         hp.rotate(&k, hp.rope_pos(s, i), &mut rot)?;
                         let off = ((s * nkv + kh) * max_len + hp.pos + i) * hd;
                         let v_off = b * nkv * max_len * hd + off;
@@ -324,9 +418,30 @@ impl InplaceOp2 for RopeKvAppend {
             candle_core::bail!("rope_kv_append: the cache must be a whole contiguous tensor")
         }
         match s2.dtype() {
-            DType::F32 => run(self, &hp, s1, &dims, seq, contiguous_slice::<f32>(s2, l2, "qkv")?),
-            DType::F16 => run(self, &hp, s1, &dims, seq, contiguous_slice::<half::f16>(s2, l2, "qkv")?),
-            DType::BF16 => run(self, &hp, s1, &dims, seq, contiguous_slice::<half::bf16>(s2, l2, "qkv")?),
+            DType::F32 => run(
+                self,
+                &hp,
+                s1,
+                &dims,
+                seq,
+                contiguous_slice::<f32>(s2, l2, "qkv")?,
+            ),
+            DType::F16 => run(
+                self,
+                &hp,
+                s1,
+                &dims,
+                seq,
+                contiguous_slice::<half::f16>(s2, l2, "qkv")?,
+            ),
+            DType::BF16 => run(
+                self,
+                &hp,
+                s1,
+                &dims,
+                seq,
+                contiguous_slice::<half::bf16>(s2, l2, "qkv")?,
+            ),
             dt => candle_core::bail!("rope_kv_append: unsupported dtype {dt:?}"),
         }
     }
@@ -360,8 +475,14 @@ pub fn decode_attention(
     p: &StepPositions,
 ) -> Result<Tensor> {
     check_attention(qkv, cache, counters, heads, p)?;
-    let op = DecodeAttention { heads, p: p.clone(), counters: counters.clone(), append: false };
-    qkv.contiguous()?.apply_op2_no_bwd(&cache.contiguous()?, &op)
+    let op = DecodeAttention {
+        heads,
+        p: p.clone(),
+        counters: counters.clone(),
+        append: false,
+    };
+    qkv.contiguous()?
+        .apply_op2_no_bwd(&cache.contiguous()?, &op)
 }
 
 /// The whole attention of a decode step: [`rope_kv_append`] of the new token's K and V at
@@ -380,7 +501,8 @@ pub fn append_decode_attention(
         rope_kv_append(cache, qkv, heads, p)?;
         return decode_attention(qkv, cache, counters, heads, p);
     }
-    if !cache.is_contiguous() || cache.layout().start_offset() != 0 || qkv.dtype() != cache.dtype() {
+    if !cache.is_contiguous() || cache.layout().start_offset() != 0 || qkv.dtype() != cache.dtype()
+    {
         candle_core::bail!(
             "append_decode_attention: the cache must be a whole contiguous tensor of qkv's dtype, got {:?} {:?} for qkv {:?}",
             cache.layout(),
@@ -389,17 +511,41 @@ pub fn append_decode_attention(
         )
     }
     check_attention(qkv, cache, counters, heads, p)?;
-    let op = DecodeAttention { heads, p: p.clone(), counters: counters.clone(), append: true };
+    let op = DecodeAttention {
+        heads,
+        p: p.clone(),
+        counters: counters.clone(),
+        append: true,
+    };
     qkv.contiguous()?.apply_op2_no_bwd(cache, &op)
 }
 
-fn check_attention(qkv: &Tensor, cache: &Tensor, counters: &Tensor, heads: Heads, p: &StepPositions) -> Result<()> {
+fn check_attention(
+    qkv: &Tensor,
+    cache: &Tensor,
+    counters: &Tensor,
+    heads: Heads,
+    p: &StepPositions,
+) -> Result<()> {
     let (b, seq, w) = qkv.dims3()?;
     let (_, cb, nkv, _, hd) = cache.dims5()?;
-    if seq != 1 || w != heads.qkv_width() || cb != b || nkv != heads.nkv || hd != heads.hd || !heads.fused_ok() {
-        candle_core::bail!("decode_attention: qkv {:?} / cache {:?} unsupported for {heads:?}", qkv.shape(), cache.shape())
+    if seq != 1
+        || w != heads.qkv_width()
+        || cb != b
+        || nkv != heads.nkv
+        || hd != heads.hd
+        || !heads.fused_ok()
+    {
+        candle_core::bail!(
+            "decode_attention: qkv {:?} / cache {:?} unsupported for {heads:?}",
+            qkv.shape(),
+            cache.shape()
+        )
     }
-    if counters.dtype() != DType::U32 || counters.elem_count() != b * nkv || !counters.is_contiguous() {
+    if counters.dtype() != DType::U32
+        || counters.elem_count() != b * nkv
+        || !counters.is_contiguous()
+    {
         candle_core::bail!(
             "decode_attention: counters must be contiguous u32 [{}], got {:?} {:?}",
             b * nkv,
@@ -421,7 +567,14 @@ struct DecodeAttention {
     append: bool,
 }
 
-fn attend_one(hp: &HostPositions, q: &[f32], keys: &[f32], vals: &[f32], pad: usize, hd: usize) -> Vec<f32> {
+fn attend_one(
+    hp: &HostPositions,
+    q: &[f32],
+    keys: &[f32],
+    vals: &[f32],
+    pad: usize,
+    hd: usize,
+) -> Vec<f32> {
     let len = hp.pos + 1;
     let scale = 1.0 / (hd as f32).sqrt();
     let scores: Vec<f32> = (0..len)
@@ -435,7 +588,9 @@ fn attend_one(hp: &HostPositions, q: &[f32], keys: &[f32], vals: &[f32], pad: us
     let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let e: Vec<f32> = scores.iter().map(|&s| (s - m).exp()).collect();
     let l: f32 = e.iter().sum();
-    (0..hd).map(|d| (0..len).map(|j| e[j] * vals[j * hd + d]).sum::<f32>() / l).collect()
+    (0..hd)
+        .map(|d| (0..len).map(|j| e[j] * vals[j * hd + d]).sum::<f32>() / l)
+        .collect()
 }
 
 impl CustomOp2 for DecodeAttention {
@@ -443,19 +598,32 @@ impl CustomOp2 for DecodeAttention {
         "decode-attention"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         if self.append {
             candle_core::bail!("decode_attention: appending inside the op is CUDA only (use append_decode_attention)")
         }
         let hp = HostPositions::read(&self.p)?;
         let dims = l2.shape().dims().to_vec();
         fn run<T: WithDType>(
-            op: &DecodeAttention, hp: &HostPositions, qkv: &[T], cache: &[T], dims: &[usize],
+            op: &DecodeAttention,
+            hp: &HostPositions,
+            qkv: &[T],
+            cache: &[T],
+            dims: &[usize],
         ) -> Result<CpuStorage> {
             let Heads { nh, nkv, hd } = op.heads;
             let (b, max_len) = (dims[1], dims[3]);
             if hp.pos >= max_len {
-                candle_core::bail!("decode_attention: position {} past the cache's {max_len}", hp.pos)
+                candle_core::bail!(
+                    "decode_attention: position {} past the cache's {max_len}",
+                    hp.pos
+                )
             }
             let (w, g, len) = (op.heads.qkv_width(), nh / nkv, hp.pos + 1);
             let mut out = vec![T::zero(); b * nh * hd];
@@ -463,12 +631,16 @@ impl CustomOp2 for DecodeAttention {
             for s in 0..b {
                 for kvh in 0..nkv {
                     let base = (s * nkv + kvh) * max_len * hd;
-                    let keys: Vec<f32> = cache[base..base + len * hd].iter().map(|&x| f(x)).collect();
+                    let keys: Vec<f32> =
+                        cache[base..base + len * hd].iter().map(|&x| f(x)).collect();
                     let vb = b * nkv * max_len * hd + base;
                     let vals: Vec<f32> = cache[vb..vb + len * hd].iter().map(|&x| f(x)).collect();
                     for hh in 0..g {
                         let head = kvh * g + hh;
-                        let x: Vec<f32> = qkv[s * w + head * hd..s * w + (head + 1) * hd].iter().map(|&x| f(x)).collect();
+                        let x: Vec<f32> = qkv[s * w + head * hd..s * w + (head + 1) * hd]
+                            .iter()
+                            .map(|&x| f(x))
+                            .collect();
                         hp.rotate(&x, hp.rope_pos(s, 0), &mut q)?;
                         let o = attend_one(hp, &q, &keys, &vals, hp.pads[s] as usize, hd);
                         for d in 0..hd {
@@ -480,12 +652,33 @@ impl CustomOp2 for DecodeAttention {
             Ok(T::to_cpu_storage_owned(out))
         }
         let out = match s1.dtype() {
-            DType::F32 => run(self, &hp, contiguous_slice::<f32>(s1, l1, "qkv")?, contiguous_slice(s2, l2, "cache")?, &dims),
-            DType::F16 => run(self, &hp, contiguous_slice::<half::f16>(s1, l1, "qkv")?, contiguous_slice(s2, l2, "cache")?, &dims),
-            DType::BF16 => run(self, &hp, contiguous_slice::<half::bf16>(s1, l1, "qkv")?, contiguous_slice(s2, l2, "cache")?, &dims),
+            DType::F32 => run(
+                self,
+                &hp,
+                contiguous_slice::<f32>(s1, l1, "qkv")?,
+                contiguous_slice(s2, l2, "cache")?,
+                &dims,
+            ),
+            DType::F16 => run(
+                self,
+                &hp,
+                contiguous_slice::<half::f16>(s1, l1, "qkv")?,
+                contiguous_slice(s2, l2, "cache")?,
+                &dims,
+            ),
+            DType::BF16 => run(
+                self,
+                &hp,
+                contiguous_slice::<half::bf16>(s1, l1, "qkv")?,
+                contiguous_slice(s2, l2, "cache")?,
+                &dims,
+            ),
             dt => candle_core::bail!("decode_attention: unsupported dtype {dt:?}"),
         }?;
-        Ok((out, Shape::from((dims[1], 1, self.heads.nh * self.heads.hd))))
+        Ok((
+            out,
+            Shape::from((dims[1], 1, self.heads.nh * self.heads.hd)),
+        ))
     }
 
     #[cfg(feature = "cuda")]
@@ -497,7 +690,16 @@ impl CustomOp2 for DecodeAttention {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let b = l2.shape().dims()[1];
-        let out = cuda::decode_attention(self.heads, &self.p, &self.counters, self.append, s1, l1, s2, l2)?;
+        let out = cuda::decode_attention(
+            self.heads,
+            &self.p,
+            &self.counters,
+            self.append,
+            s1,
+            l1,
+            s2,
+            l2,
+        )?;
         Ok((out, Shape::from((b, 1, self.heads.nh * self.heads.hd))))
     }
 }
@@ -508,7 +710,11 @@ impl CustomOp2 for DecodeAttention {
 /// `pos += by` on the device (u32 `[1]`): the last launch of a captured decode step.
 pub fn advance_pos(pos: &Tensor, by: u32) -> Result<()> {
     if pos.dtype() != DType::U32 || pos.elem_count() != 1 {
-        candle_core::bail!("advance_pos: pos must be u32 [1], got {:?} {:?}", pos.shape(), pos.dtype())
+        candle_core::bail!(
+            "advance_pos: pos must be u32 [1], got {:?} {:?}",
+            pos.shape(),
+            pos.dtype()
+        )
     }
     pos.inplace_op1(&AdvancePos(by))
 }

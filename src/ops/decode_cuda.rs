@@ -3,9 +3,9 @@
 
 use super::{Heads, StepPositions};
 use crate::kernels::{contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, Arg};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
-use candle_core::backend::BackendStorage;
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
@@ -24,14 +24,24 @@ fn suffix(dt: DType) -> Result<&'static str> {
 }
 
 /// Run `f` with a contiguous device view of `t` (which must live on the GPU).
-fn with_view<T: CudaDType + DeviceRepr, R>(t: &Tensor, what: &str, f: impl FnOnce(CudaView<'_, T>) -> Result<R>) -> Result<R> {
+fn with_view<T: CudaDType + DeviceRepr, R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(CudaView<'_, T>) -> Result<R>,
+) -> Result<R> {
     let (st, l) = t.storage_and_layout();
-    let Storage::Cuda(cs) = &*st else { candle_core::bail!("{what} must be on the GPU") };
+    let Storage::Cuda(cs) = &*st else {
+        candle_core::bail!("{what} must be on the GPU")
+    };
     f(contiguous_view::<T>(cs, l, what)?)
 }
 
 fn grid(x: usize, y: usize, z: usize, threads: u32, smem: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: (x as u32, y as u32, z as u32), block_dim: (threads, 1, 1), shared_mem_bytes: smem }
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, z as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    }
 }
 
 pub(super) fn embed_gather(
@@ -44,7 +54,13 @@ pub(super) fn embed_gather(
     vocab: usize,
 ) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr + WithDType>(
-        s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout, n: usize, h: usize, vocab: usize,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        n: usize,
+        h: usize,
+        vocab: usize,
     ) -> Result<CudaStorage> {
         let dev = s1.device();
         let stream = dev.cuda_stream();
@@ -54,8 +70,19 @@ pub(super) fn embed_gather(
         let name = format!("embed_gather_{}", suffix(T::DTYPE)?);
         let func = dev.get_or_load_custom_func(&name, "decode", ptx::DECODE)?;
         if n > 0 {
-            let ((tp, _g1), (ip, _g2), (op, _g3)) = (dptr(&table, &stream), dptr(&ids, &stream), dptr(&out, &stream));
-            let args = [tp, ip, op, Arg::I32(n as i32), Arg::I32(h as i32), Arg::I32(vocab as i32)];
+            let ((tp, _g1), (ip, _g2), (op, _g3)) = (
+                dptr(&table, &stream),
+                dptr(&ids, &stream),
+                dptr(&out, &stream),
+            );
+            let args = [
+                tp,
+                ip,
+                op,
+                Arg::I32(n as i32),
+                Arg::I32(h as i32),
+                Arg::I32(vocab as i32),
+            ];
             unsafe { launch_pdl(&func, &stream, grid(n, 1, 1, 128, 0), &args) }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
@@ -68,18 +95,39 @@ pub(super) fn embed_gather(
     }
 }
 
-pub(super) fn silu_mul(s: &CudaStorage, l: &Layout, rows: usize, inter: usize) -> Result<CudaStorage> {
-    fn run<T: CudaDType + DeviceRepr + WithDType>(s: &CudaStorage, l: &Layout, rows: usize, inter: usize) -> Result<CudaStorage> {
+pub(super) fn silu_mul(
+    s: &CudaStorage,
+    l: &Layout,
+    rows: usize,
+    inter: usize,
+) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr + WithDType>(
+        s: &CudaStorage,
+        l: &Layout,
+        rows: usize,
+        inter: usize,
+    ) -> Result<CudaStorage> {
         let dev = s.device();
         let stream = dev.cuda_stream();
         let gu = contiguous_view::<T>(s, l, "gu")?;
         let out = unsafe { dev.alloc::<T>(rows * inter)? };
-        let func = dev.get_or_load_custom_func(&format!("silu_mul_{}", suffix(T::DTYPE)?), "decode", ptx::DECODE)?;
+        let func = dev.get_or_load_custom_func(
+            &format!("silu_mul_{}", suffix(T::DTYPE)?),
+            "decode",
+            ptx::DECODE,
+        )?;
         let n = rows * inter;
         if n > 0 {
             let ((gp, _g1), (op, _g2)) = (dptr(&gu, &stream), dptr(&out, &stream));
             let args = [gp, op, Arg::I32(rows as i32), Arg::I32(inter as i32)];
-            unsafe { launch_pdl(&func, &stream, grid(n.div_ceil(256).min(65535), 1, 1, 256, 0), &args) }?;
+            unsafe {
+                launch_pdl(
+                    &func,
+                    &stream,
+                    grid(n.div_ceil(256).min(65535), 1, 1, 256, 0),
+                    &args,
+                )
+            }?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
@@ -100,13 +148,22 @@ pub(super) fn rope_kv_append(
     l2: &Layout,
 ) -> Result<()> {
     fn run<T: CudaDType + DeviceRepr + WithDType>(
-        heads: Heads, p: &StepPositions, s1: &mut CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout,
+        heads: Heads,
+        p: &StepPositions,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
     ) -> Result<()> {
         let dev = s1.device().clone();
         let dims = l1.shape().dims().to_vec();
         let (b, max_len, seq) = (dims[1], dims[3], l2.shape().dims()[1]);
         let qkv = contiguous_view::<T>(s2, l2, "qkv")?;
-        let func = dev.get_or_load_custom_func(&format!("rope_kv_{}", suffix(T::DTYPE)?), "decode", ptx::DECODE)?;
+        let func = dev.get_or_load_custom_func(
+            &format!("rope_kv_{}", suffix(T::DTYPE)?),
+            "decode",
+            ptx::DECODE,
+        )?;
         let stream = dev.cuda_stream();
         let cache = s1.as_cuda_slice_mut::<T>()?;
         let half = cache.len() / 2;
@@ -119,7 +176,8 @@ pub(super) fn rope_kv_append(
                         let ((cp, _g2), (sp, _g3)) = (dptr(&cos, &stream), dptr(&sin, &stream));
                         let ((pp, _g4), (dp, _g5)) = (dptr(&pos, &stream), dptr(&pads, &stream));
                         let ((kp, _g6), (vp, _g7)) = (dptr(&k, &stream), dptr(&v, &stream));
-                        let ints = [seq, heads.nh, heads.nkv, heads.hd, max_len].map(|x| Arg::I32(x as i32));
+                        let ints = [seq, heads.nh, heads.nkv, heads.hd, max_len]
+                            .map(|x| Arg::I32(x as i32));
                         let mut args = vec![qp, cp, sp, pp, dp, kp, vp];
                         args.extend(ints);
                         let cfg = grid(seq, b, heads.nkv, (heads.hd / 2) as u32, 0);
@@ -193,11 +251,19 @@ pub(super) fn decode_attention(
 ) -> Result<CudaStorage> {
     #[allow(clippy::too_many_arguments)]
     fn run<T: CudaDType + DeviceRepr + WithDType>(
-        heads: Heads, p: &StepPositions, counters: &Tensor, append: bool, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage,
+        heads: Heads,
+        p: &StepPositions,
+        counters: &Tensor,
+        append: bool,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
         l2: &Layout,
     ) -> Result<CudaStorage> {
         if append && (l2.start_offset() != 0 || !l2.is_contiguous()) {
-            candle_core::bail!("decode_attention: appending needs the whole contiguous cache, got {l2:?}")
+            candle_core::bail!(
+                "decode_attention: appending needs the whole contiguous cache, got {l2:?}"
+            )
         }
         let dev = s1.device();
         let dims = l2.shape().dims().to_vec();
@@ -206,7 +272,10 @@ pub(super) fn decode_attention(
         let g = nh / nkv;
         let vec = 16 / T::DTYPE.size_in_bytes();
         if hd % vec != 0 || hd / vec > 32 || (128 / (hd / vec)) * (hd / vec) != 128 {
-            candle_core::bail!("decode_attention: head dim {hd} unsupported for {:?}", T::DTYPE)
+            candle_core::bail!(
+                "decode_attention: head dim {hd} unsupported for {:?}",
+                T::DTYPE
+            )
         }
         let batch_rows = (ATTN_THREADS as usize / (hd / vec)) * ATTN_UNROLL;
         let chunk = attn_chunk(max_len, batch_rows);
@@ -217,14 +286,17 @@ pub(super) fn decode_attention(
         // and so did batches (8 / 32 / 64 at ctx 128: 5.04 / 7.64 / 11.0 ms per step
         // against 4.77 / 6.25 / 8.09); the launch shape cannot change with the context once
         // a graph holds it.
-        let cluster = if b == 1 && n_split > 1 && n_split <= ATTN_CLUSTER && clusters_supported(dev)? {
-            ATTN_CLUSTER
-        } else {
-            0
-        };
+        let cluster =
+            if b == 1 && n_split > 1 && n_split <= ATTN_CLUSTER && clusters_supported(dev)? {
+                ATTN_CLUSTER
+            } else {
+                0
+            };
         let smem = (g * hd + g * chunk + ATTN_THREADS as usize * vec * g) * 4;
         if smem > 48 * 1024 {
-            candle_core::bail!("decode_attention: {smem} bytes of shared memory for {heads:?} (limit 48 KiB)")
+            candle_core::bail!(
+                "decode_attention: {smem} bytes of shared memory for {heads:?} (limit 48 KiB)"
+            )
         }
         let qkv = contiguous_view::<T>(s1, l1, "qkv")?;
         let cache = contiguous_view::<T>(s2, l2, "cache")?;
@@ -233,7 +305,11 @@ pub(super) fn decode_attention(
         let part_ml = unsafe { dev.alloc::<f32>(b * nh * n_split * 2)? };
         let out = unsafe { dev.alloc::<T>(b * nh * hd)? };
         let sfx = suffix(T::DTYPE)?;
-        let func = dev.get_or_load_custom_func(&format!("attn_decode_{sfx}"), "decode_attention", ptx::DECODE_ATTENTION)?;
+        let func = dev.get_or_load_custom_func(
+            &format!("attn_decode_{sfx}"),
+            "decode_attention",
+            ptx::DECODE_ATTENTION,
+        )?;
         let scale = 1f32 / (hd as f32).sqrt();
         let ints = [nh, nkv, hd, max_len, n_split, chunk];
         let stream = dev.cuda_stream();
@@ -245,9 +321,12 @@ pub(super) fn decode_attention(
                             let (qp, _g1) = dptr(&qkv, &stream);
                             let ((cp, _g2), (sp, _g3)) = (dptr(&cos, &stream), dptr(&sin, &stream));
                             let ((kp, _g4), (vp, _g5)) = (dptr(&k, &stream), dptr(&v, &stream));
-                            let ((pp, _g6), (dp, _g7)) = (dptr(&pos, &stream), dptr(&pads, &stream));
-                            let ((po, _g8), (pm, _g9)) = (dptr(&part_o, &stream), dptr(&part_ml, &stream));
-                            let ((np, _g10), (op, _g11)) = (dptr(&cnt, &stream), dptr(&out, &stream));
+                            let ((pp, _g6), (dp, _g7)) =
+                                (dptr(&pos, &stream), dptr(&pads, &stream));
+                            let ((po, _g8), (pm, _g9)) =
+                                (dptr(&part_o, &stream), dptr(&part_ml, &stream));
+                            let ((np, _g10), (op, _g11)) =
+                                (dptr(&cnt, &stream), dptr(&out, &stream));
                             // k_out, v_out: the same buffers, written only with `append`.
                             let mut args = vec![qp, cp, sp, kp, vp, kp, vp, pp, dp, po, pm, np, op];
                             args.extend(ints.map(|x| Arg::I32(x as i32)));
@@ -258,8 +337,16 @@ pub(super) fn decode_attention(
                                 let cfg = grid(n_split, nkv, b, ATTN_THREADS, smem as u32);
                                 return unsafe { launch_pdl(&func, &stream, cfg, &args) };
                             }
-                            let cfg = grid(n_split.next_multiple_of(cluster), nkv, b, ATTN_THREADS, smem as u32);
-                            unsafe { launch_pdl_cluster(&func, &stream, cfg, cluster as u32, &args) }
+                            let cfg = grid(
+                                n_split.next_multiple_of(cluster),
+                                nkv,
+                                b,
+                                ATTN_THREADS,
+                                smem as u32,
+                            );
+                            unsafe {
+                                launch_pdl_cluster(&func, &stream, cfg, cluster as u32, &args)
+                            }
                         })
                     })
                 })

@@ -26,8 +26,14 @@ pub struct Gemv {
 /// bf16), `1 <= m <= 8`, rows of a multiple of 16 bytes, both contiguous from a 16-byte
 /// aligned offset.
 pub fn gemv_ok(x: &Tensor, w: &Tensor) -> bool {
-    let (Ok((m, k)), Ok((_, kw))) = (x.dims2(), w.dims2()) else { return false };
-    gemv_weight_ok(w) && x.dtype() == w.dtype() && (1..=GEMV_MAX_M).contains(&m) && k == kw && aligned(x)
+    let (Ok((m, k)), Ok((_, kw))) = (x.dims2(), w.dims2()) else {
+        return false;
+    };
+    gemv_weight_ok(w)
+        && x.dtype() == w.dtype()
+        && (1..=GEMV_MAX_M).contains(&m)
+        && k == kw
+        && aligned(x)
 }
 
 /// The weight's half of [`gemv_ok`]: `w [n, k]` in f32, f16 or bf16, rows of a multiple of
@@ -35,12 +41,14 @@ pub fn gemv_ok(x: &Tensor, w: &Tensor) -> bool {
 pub fn gemv_weight_ok(w: &Tensor) -> bool {
     let Ok((_, k)) = w.dims2() else { return false };
     let dt = w.dtype();
-    matches!(dt, DType::F32 | DType::F16 | DType::BF16) && (k * dt.size_in_bytes()) % 16 == 0 && aligned(w)
+    matches!(dt, DType::F32 | DType::F16 | DType::BF16)
+        && (k * dt.size_in_bytes()).is_multiple_of(16)
+        && aligned(w)
 }
 
 fn aligned(t: &Tensor) -> bool {
     let l = t.layout();
-    l.is_contiguous() && (l.start_offset() * t.dtype().size_in_bytes()) % 16 == 0
+    l.is_contiguous() && (l.start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
 }
 
 /// `y [m, n] = x [m, k] · w [n, k]ᵀ`, f32 accumulation, rounded once to `out`
@@ -57,9 +65,18 @@ pub fn gemv(x: &Tensor, w: &Tensor, out: DType) -> Result<Tensor> {
         )
     }
     if out != x.dtype() && out != DType::F32 {
-        candle_core::bail!("gemv: output dtype {out:?} must be the input's ({:?}) or f32", x.dtype())
+        candle_core::bail!(
+            "gemv: output dtype {out:?} must be the input's ({:?}) or f32",
+            x.dtype()
+        )
     }
-    x.apply_op2_no_bwd(w, &Gemv { out, silu_mul: false })
+    x.apply_op2_no_bwd(
+        w,
+        &Gemv {
+            out,
+            silu_mul: false,
+        },
+    )
 }
 
 /// The gate/up projection with SiLU·mul fused: `w [2 I, k]` holds the gate rows then the up
@@ -76,7 +93,13 @@ pub fn gemv_silu_mul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             w.dtype()
         )
     }
-    x.apply_op2_no_bwd(w, &Gemv { out: x.dtype(), silu_mul: true })
+    x.apply_op2_no_bwd(
+        w,
+        &Gemv {
+            out: x.dtype(),
+            silu_mul: true,
+        },
+    )
 }
 
 /// Warps that share one output row (the kernel's WPR) and warps per block: one warp per
@@ -95,7 +118,10 @@ impl Gemv {
     /// SiLU·mul writes the inputs' dtype (as the unfused pair does).
     fn check(&self, dt: DType) -> Result<()> {
         if self.silu_mul && self.out != dt {
-            candle_core::bail!("gemv_silu_mul: output dtype {:?} must be the input's ({dt:?})", self.out)
+            candle_core::bail!(
+                "gemv_silu_mul: output dtype {:?} must be the input's ({dt:?})",
+                self.out
+            )
         }
         Ok(())
     }
@@ -109,18 +135,30 @@ fn dims(l1: &Layout, l2: &Layout) -> Result<(usize, usize, usize)> {
     let (m, k) = l1.shape().dims2()?;
     let (n, kw) = l2.shape().dims2()?;
     if k != kw {
-        candle_core::bail!("gemv: x {:?} and w {:?} differ in k", l1.shape(), l2.shape())
+        candle_core::bail!(
+            "gemv: x {:?} and w {:?} differ in k",
+            l1.shape(),
+            l2.shape()
+        )
     }
     Ok((m, n, k))
 }
 
-fn cpu_ref<T: WithDType, O: WithDType>(x: &[T], w: &[T], (m, n, k): (usize, usize, usize)) -> Vec<O> {
+fn cpu_ref<T: WithDType, O: WithDType>(
+    x: &[T],
+    w: &[T],
+    (m, n, k): (usize, usize, usize),
+) -> Vec<O> {
     let mut y = Vec::with_capacity(m * n);
     for i in 0..m {
         let xr = &x[i * k..(i + 1) * k];
         for r in 0..n {
             let wr = &w[r * k..(r + 1) * k];
-            let s: f32 = xr.iter().zip(wr).map(|(a, b)| a.to_f64() as f32 * b.to_f64() as f32).sum();
+            let s: f32 = xr
+                .iter()
+                .zip(wr)
+                .map(|(a, b)| a.to_f64() as f32 * b.to_f64() as f32)
+                .sum();
             y.push(O::from_f64(s as f64));
         }
     }
@@ -136,7 +174,13 @@ impl CustomOp2 for Gemv {
         }
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1, l2)?;
         self.check(s1.dtype())?;
         use half::{bf16, f16};
@@ -145,8 +189,16 @@ impl CustomOp2 for Gemv {
             d: (usize, usize, usize),
             silu_mul: bool,
         ) -> Result<CpuStorage> {
-            let y = cpu_ref::<T, O>(contiguous_slice(s1, l1, "x")?, contiguous_slice(s2, l2, "w")?, d);
-            Ok(O::to_cpu_storage_owned(if silu_mul { super::decode::silu_mul_ref(&y, d.1 / 2) } else { y }))
+            let y = cpu_ref::<T, O>(
+                contiguous_slice(s1, l1, "x")?,
+                contiguous_slice(s2, l2, "w")?,
+                d,
+            );
+            Ok(O::to_cpu_storage_owned(if silu_mul {
+                super::decode::silu_mul_ref(&y, d.1 / 2)
+            } else {
+                y
+            }))
         }
         let args = (s1, l1, s2, l2);
         let out = match (s1.dtype(), self.out) {
@@ -181,7 +233,10 @@ impl CustomOp2 for Gemv {
         }
         for (l, what) in [(l1, "x"), (l2, "w")] {
             if (l.start_offset() * size) % 16 != 0 {
-                candle_core::bail!("gemv: {what} starts at element {}, not 16-byte aligned", l.start_offset())
+                candle_core::bail!(
+                    "gemv: {what} starts at element {}, not 16-byte aligned",
+                    l.start_offset()
+                )
             }
         }
         let bucket = match m {
@@ -208,9 +263,17 @@ impl CustomOp2 for Gemv {
                     block_dim: (32 * warps as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let ((xp, _gx), (wp, _gw), (yp, _gy)) = (dptr(&x, &stream), dptr(&w, &stream), dptr(&y, &stream));
+                let ((xp, _gx), (wp, _gw), (yp, _gy)) =
+                    (dptr(&x, &stream), dptr(&w, &stream), dptr(&y, &stream));
                 let ints = [m, n, k].map(|v| Arg::I32(v as i32));
-                unsafe { launch_pdl(&func, &stream, cfg, &[xp, wp, yp, ints[0], ints[1], ints[2]]) }?;
+                unsafe {
+                    launch_pdl(
+                        &func,
+                        &stream,
+                        cfg,
+                        &[xp, wp, yp, ints[0], ints[1], ints[2]],
+                    )
+                }?;
             }
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
@@ -222,18 +285,30 @@ impl CustomOp2 for Gemv {
             let y = match s1.dtype() {
                 DType::F32 => launch::<f32, f32>(&format!("gemv_silu_mul_f32_{suffix}"), d, args)?,
                 DType::F16 => launch::<f16, f16>(&format!("gemv_silu_mul_f16_{suffix}"), d, args)?,
-                DType::BF16 => launch::<bf16, bf16>(&format!("gemv_silu_mul_bf16_{suffix}"), d, args)?,
+                DType::BF16 => {
+                    launch::<bf16, bf16>(&format!("gemv_silu_mul_bf16_{suffix}"), d, args)?
+                }
                 dt => candle_core::bail!("gemv_silu_mul: unsupported dtype {dt:?}"),
             };
             return Ok((y, self.out_shape((m, n, k))));
         }
         let d = (m, n, k, wpr);
         let y = match (s1.dtype(), self.out) {
-            (DType::F32, DType::F32) => launch::<f32, f32>(&format!("gemv_f32_f32_{suffix}"), d, args)?,
-            (DType::F16, DType::F16) => launch::<f16, f16>(&format!("gemv_f16_f16_{suffix}"), d, args)?,
-            (DType::F16, DType::F32) => launch::<f16, f32>(&format!("gemv_f16_f32_{suffix}"), d, args)?,
-            (DType::BF16, DType::BF16) => launch::<bf16, bf16>(&format!("gemv_bf16_bf16_{suffix}"), d, args)?,
-            (DType::BF16, DType::F32) => launch::<bf16, f32>(&format!("gemv_bf16_f32_{suffix}"), d, args)?,
+            (DType::F32, DType::F32) => {
+                launch::<f32, f32>(&format!("gemv_f32_f32_{suffix}"), d, args)?
+            }
+            (DType::F16, DType::F16) => {
+                launch::<f16, f16>(&format!("gemv_f16_f16_{suffix}"), d, args)?
+            }
+            (DType::F16, DType::F32) => {
+                launch::<f16, f32>(&format!("gemv_f16_f32_{suffix}"), d, args)?
+            }
+            (DType::BF16, DType::BF16) => {
+                launch::<bf16, bf16>(&format!("gemv_bf16_bf16_{suffix}"), d, args)?
+            }
+            (DType::BF16, DType::F32) => {
+                launch::<bf16, f32>(&format!("gemv_bf16_f32_{suffix}"), d, args)?
+            }
             (dt, o) => candle_core::bail!("gemv: unsupported dtypes {dt:?} -> {o:?}"),
         };
         Ok((y, self.out_shape((m, n, k))))

@@ -8,11 +8,13 @@ mod stream_read;
 mod uniform;
 
 pub use decode::{
-    advance_pos, append_decode_attention, decode_attention, embed_gather, rope_kv_append, silu_mul, Heads, StepPositions};
+    advance_pos, append_decode_attention, decode_attention, embed_gather, rope_kv_append, silu_mul,
+    Heads, StepPositions,
+};
 pub use gemv::{gemv, gemv_ok, gemv_silu_mul, gemv_weight_ok, Gemv, GEMV_MAX_M};
 pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
-pub use uniform::{uniform_dequantize, uniform_pack};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
+pub use uniform::{uniform_dequantize, uniform_pack};
 
 /// The elements of a contiguous CPU tensor (the CPU references' input), or an error naming
 /// `what` and its layout.

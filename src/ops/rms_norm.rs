@@ -19,7 +19,11 @@ pub struct AddRmsNorm {
 /// `x`, `res`: `[.., h]`, f32/f16/bf16, same dtype; `w`: `[h]`, same dtype.
 pub fn add_rms_norm(x: &Tensor, res: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
     if x.shape() != res.shape() {
-        candle_core::bail!("add_rms_norm: x {:?} and res {:?} differ in shape", x.shape(), res.shape())
+        candle_core::bail!(
+            "add_rms_norm: x {:?} and res {:?} differ in shape",
+            x.shape(),
+            res.shape()
+        )
     }
     if x.dtype() != res.dtype() || x.dtype() != w.dtype() {
         candle_core::bail!(
@@ -31,7 +35,11 @@ pub fn add_rms_norm(x: &Tensor, res: &Tensor, w: &Tensor, eps: f32) -> Result<(T
     }
     let h = x.dim(candle_core::D::Minus1)?;
     if w.dims() != [h] {
-        candle_core::bail!("add_rms_norm: w {:?} must be [{h}] for x {:?}", w.shape(), x.shape())
+        candle_core::bail!(
+            "add_rms_norm: w {:?} must be [{h}] for x {:?}",
+            w.shape(),
+            x.shape()
+        )
     }
     let x = x.contiguous()?;
     let res = res.contiguous()?;
@@ -44,7 +52,10 @@ fn check_layouts(l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize)
     let dims = l1.shape().dims();
     let h = match dims.last() {
         Some(&h) if h > 0 => h,
-        _ => candle_core::bail!("add_rms_norm: x must have a non-empty last dim, got {:?}", l1.shape()),
+        _ => candle_core::bail!(
+            "add_rms_norm: x must have a non-empty last dim, got {:?}",
+            l1.shape()
+        ),
     };
     if l2.shape() != l1.shape() || l3.shape().dims() != [h] {
         candle_core::bail!(
@@ -101,9 +112,30 @@ impl CustomOp3 for AddRmsNorm {
         let (rows, h) = check_layouts(l1, l2, l3)?;
         let eps = self.eps;
         let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(cpu_ref(super::contiguous_slice(s1, l1, "x")?, super::contiguous_slice(s2, l2, "res")?, super::contiguous_slice(s3, l3, "w")?, rows, h, eps)),
-            DType::F16 => CpuStorage::F16(cpu_ref(super::contiguous_slice(s1, l1, "x")?, super::contiguous_slice(s2, l2, "res")?, super::contiguous_slice(s3, l3, "w")?, rows, h, eps)),
-            DType::BF16 => CpuStorage::BF16(cpu_ref(super::contiguous_slice(s1, l1, "x")?, super::contiguous_slice(s2, l2, "res")?, super::contiguous_slice(s3, l3, "w")?, rows, h, eps)),
+            DType::F32 => CpuStorage::F32(cpu_ref(
+                super::contiguous_slice(s1, l1, "x")?,
+                super::contiguous_slice(s2, l2, "res")?,
+                super::contiguous_slice(s3, l3, "w")?,
+                rows,
+                h,
+                eps,
+            )),
+            DType::F16 => CpuStorage::F16(cpu_ref(
+                super::contiguous_slice(s1, l1, "x")?,
+                super::contiguous_slice(s2, l2, "res")?,
+                super::contiguous_slice(s3, l3, "w")?,
+                rows,
+                h,
+                eps,
+            )),
+            DType::BF16 => CpuStorage::BF16(cpu_ref(
+                super::contiguous_slice(s1, l1, "x")?,
+                super::contiguous_slice(s2, l2, "res")?,
+                super::contiguous_slice(s3, l3, "w")?,
+                rows,
+                h,
+                eps,
+            )),
             dt => candle_core::bail!("add_rms_norm: unsupported dtype {dt:?} (f32, f16, bf16)"),
         };
         Ok((out, out_shape(l1)))
@@ -129,7 +161,14 @@ impl CustomOp3 for AddRmsNorm {
             name: &str,
             eps: f32,
             (rows, h): (usize, usize),
-            (s1, l1, s2, l2, s3, l3): (&CudaStorage, &Layout, &CudaStorage, &Layout, &CudaStorage, &Layout),
+            (s1, l1, s2, l2, s3, l3): (
+                &CudaStorage,
+                &Layout,
+                &CudaStorage,
+                &Layout,
+                &CudaStorage,
+                &Layout,
+            ),
         ) -> Result<CudaStorage> {
             let dev = s1.device();
             let stream = dev.cuda_stream();
@@ -138,11 +177,23 @@ impl CustomOp3 for AddRmsNorm {
             let w = contiguous_view::<T>(s3, l3, "w")?;
             let out = unsafe { dev.alloc::<T>(2 * rows * h)? };
             let func = dev.get_or_load_custom_func(name, "rms_norm", ptx::RMS_NORM)?;
-            let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             if rows > 0 {
                 let ((xp, _g1), (rp, _g2)) = (dptr(&x, &stream), dptr(&res, &stream));
                 let ((wp, _g3), (op, _g4)) = (dptr(&w, &stream), dptr(&out, &stream));
-                let args = [xp, rp, wp, op, Arg::I32(rows as i32), Arg::I32(h as i32), Arg::F32(eps)];
+                let args = [
+                    xp,
+                    rp,
+                    wp,
+                    op,
+                    Arg::I32(rows as i32),
+                    Arg::I32(h as i32),
+                    Arg::F32(eps),
+                ];
                 unsafe { launch_pdl(&func, &stream, cfg, &args) }?;
             }
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

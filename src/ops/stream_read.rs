@@ -33,7 +33,9 @@ pub fn stream_read(x: &Tensor, blocks: usize) -> Result<Tensor> {
 /// launching blocks that would find no work in `n_bytes`.
 pub fn stream_read_blocks(n_bytes: usize, sm_count: usize) -> usize {
     let words = n_bytes.div_ceil(16);
-    words.div_ceil(STREAM_READ_THREADS).clamp(1, sm_count.max(1) * 8)
+    words
+        .div_ceil(STREAM_READ_THREADS)
+        .clamp(1, sm_count.max(1) * 8)
 }
 
 /// XOR of all words of the per-block output: the same for every block count.
@@ -42,7 +44,10 @@ pub fn xor_fold(per_block: &[u32]) -> u32 {
 }
 
 fn check(layout: &Layout, dtype: DType, blocks: usize) -> Result<usize> {
-    if !matches!(dtype, DType::U8 | DType::U32 | DType::F16 | DType::BF16 | DType::F32) {
+    if !matches!(
+        dtype,
+        DType::U8 | DType::U32 | DType::F16 | DType::BF16 | DType::F32
+    ) {
         candle_core::bail!("stream_read: unsupported dtype {dtype:?} (u8, u32, f16, bf16, f32)")
     }
     if layout.contiguous_offsets().is_none() {
@@ -62,13 +67,24 @@ fn check(layout: &Layout, dtype: DType, blocks: usize) -> Result<usize> {
 }
 
 fn cpu_bytes(s: &CpuStorage, layout: &Layout) -> Result<Vec<u8>> {
-    let Some((a, b)) = layout.contiguous_offsets() else { candle_core::bail!("stream_read: input must be contiguous") };
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        candle_core::bail!("stream_read: input must be contiguous")
+    };
     Ok(match s {
         CpuStorage::U8(v) => v[a..b].to_vec(),
         CpuStorage::U32(v) => v[a..b].iter().flat_map(|x| x.to_le_bytes()).collect(),
-        CpuStorage::F16(v) => v[a..b].iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        CpuStorage::BF16(v) => v[a..b].iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        CpuStorage::F32(v) => v[a..b].iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        CpuStorage::F16(v) => v[a..b]
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
+        CpuStorage::BF16(v) => v[a..b]
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
+        CpuStorage::F32(v) => v[a..b]
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
         s => candle_core::bail!("stream_read: unsupported dtype {:?}", s.dtype()),
     })
 }
@@ -78,7 +94,9 @@ fn cpu_ref(bytes: &[u8], blocks: usize) -> Vec<u32> {
     let grid = blocks * STREAM_READ_THREADS;
     let mut out = vec![0u32; blocks];
     for (i, w16) in bytes.chunks_exact(16).enumerate() {
-        let fold = w16.chunks_exact(4).fold(0u32, |a, w| a ^ u32::from_le_bytes([w[0], w[1], w[2], w[3]]));
+        let fold = w16.chunks_exact(4).fold(0u32, |a, w| {
+            a ^ u32::from_le_bytes([w[0], w[1], w[2], w[3]])
+        });
         out[(i % grid) / STREAM_READ_THREADS] ^= fold;
     }
     out
@@ -96,9 +114,15 @@ impl CustomOp1 for StreamRead {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
         use crate::kernels::{contiguous_view, launch_err, ptx};
-        use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::cudarc::driver::{
+            DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        };
         use candle_core::cuda_backend::{CudaDType, CudaStorage};
         use half::{bf16, f16};
 
@@ -120,7 +144,8 @@ impl CustomOp1 for StreamRead {
                 candle_core::bail!("stream_read: input data at {addr:#x} is not 16-byte aligned")
             }
             let out = unsafe { dev.alloc::<u32>(blocks)? };
-            let func = dev.get_or_load_custom_func("stream_read_xor", "stream_read", ptx::STREAM_READ)?;
+            let func =
+                dev.get_or_load_custom_func("stream_read_xor", "stream_read", ptx::STREAM_READ)?;
             let cfg = LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (STREAM_READ_THREADS as u32, 1, 1),
@@ -155,8 +180,16 @@ mod tests {
         let words: Vec<u32> = (0..4000u32).map(|i| i.wrapping_mul(2654435761)).collect();
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         let out = cpu_ref(&bytes, 3);
-        let fold = |r: std::ops::Range<usize>| words[r.start * 4..r.end * 4].iter().fold(0, |a, &b| a ^ b);
-        assert_eq!(out, vec![fold(0..256) ^ fold(768..1000), fold(256..512), fold(512..768)]);
+        let fold =
+            |r: std::ops::Range<usize>| words[r.start * 4..r.end * 4].iter().fold(0, |a, &b| a ^ b);
+        assert_eq!(
+            out,
+            vec![
+                fold(0..256) ^ fold(768..1000),
+                fold(256..512),
+                fold(512..768)
+            ]
+        );
         assert_eq!(xor_fold(&out), words.iter().fold(0, |a, &b| a ^ b));
     }
 }

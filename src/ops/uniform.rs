@@ -18,7 +18,11 @@ fn check_bits(bits: u32) -> Result<()> {
 pub fn uniform_pack(codes: &Tensor, bits: u32) -> Result<Tensor> {
     check_bits(bits)?;
     if codes.dtype() != DType::U8 || codes.rank() != 2 {
-        candle_core::bail!("uniform_pack: codes must be u8 [n, k], got {:?} {:?}", codes.shape(), codes.dtype())
+        candle_core::bail!(
+            "uniform_pack: codes must be u8 [n, k], got {:?} {:?}",
+            codes.shape(),
+            codes.dtype()
+        )
     }
     codes.contiguous()?.apply_op1_no_bwd(&UniformPack { bits })
 }
@@ -38,7 +42,9 @@ pub fn uniform_dequantize(
     let g = groups(k);
     let ok = qweight.dtype() == DType::U32
         && w == words_per_row(k, bits)
-        && [scales, zeros].iter().all(|t| t.dtype() == DType::F16 && t.dims() == [n, g])
+        && [scales, zeros]
+            .iter()
+            .all(|t| t.dtype() == DType::F16 && t.dims() == [n, g])
         && matches!(dtype, DType::F32 | DType::F16 | DType::BF16);
     if !ok {
         candle_core::bail!(
@@ -53,7 +59,11 @@ pub fn uniform_dequantize(
             words_per_row(k, bits)
         )
     }
-    qweight.contiguous()?.apply_op3_no_bwd(&scales.contiguous()?, &zeros.contiguous()?, &UniformDequantize { k, bits, dtype })
+    qweight.contiguous()?.apply_op3_no_bwd(
+        &scales.contiguous()?,
+        &zeros.contiguous()?,
+        &UniformDequantize { k, bits, dtype },
+    )
 }
 
 struct UniformPack {
@@ -68,11 +78,18 @@ impl CustomOp1 for UniformPack {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, k) = l.shape().dims2()?;
         let words = pack(contiguous_slice::<u8>(s, l, "codes")?, n, k, self.bits)?;
-        Ok((CpuStorage::U32(words), Shape::from((n, words_per_row(k, self.bits)))))
+        Ok((
+            CpuStorage::U32(words),
+            Shape::from((n, words_per_row(k, self.bits))),
+        ))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
         use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
         use candle_core::backend::BackendStorage;
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
@@ -87,9 +104,19 @@ impl CustomOp1 for UniformPack {
             let cfg = LaunchConfig::for_num_elems((n * words) as u32);
             let ((cp, _g1), (op, _g2)) = (dptr(&codes, &stream), dptr(&out, &stream));
             let ints = [n, k, self.bits as usize, words].map(|v| Arg::I32(v as i32));
-            unsafe { launch_pdl(&func, &stream, cfg, &[cp, op, ints[0], ints[1], ints[2], ints[3]]) }?;
+            unsafe {
+                launch_pdl(
+                    &func,
+                    &stream,
+                    cfg,
+                    &[cp, op, ints[0], ints[1], ints[2], ints[3]],
+                )
+            }?;
         }
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((n, words))))
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((n, words)),
+        ))
     }
 }
 
@@ -150,7 +177,14 @@ impl CustomOp3 for UniformDequantize {
         fn launch<T: CudaDType + DeviceRepr>(
             name: &str,
             (n, k, bits, words): (usize, usize, u32, usize),
-            (s1, l1, s2, l2, s3, l3): (&CudaStorage, &Layout, &CudaStorage, &Layout, &CudaStorage, &Layout),
+            (s1, l1, s2, l2, s3, l3): (
+                &CudaStorage,
+                &Layout,
+                &CudaStorage,
+                &Layout,
+                &CudaStorage,
+                &Layout,
+            ),
         ) -> Result<CudaStorage> {
             let dev = s1.device();
             let stream = dev.cuda_stream();
@@ -164,7 +198,14 @@ impl CustomOp3 for UniformDequantize {
                 let ((qp, _g1), (sp, _g2)) = (dptr(&q, &stream), dptr(&s, &stream));
                 let ((zp, _g3), (op, _g4)) = (dptr(&z, &stream), dptr(&out, &stream));
                 let ints = [n, k, bits as usize, words].map(|v| Arg::I32(v as i32));
-                unsafe { launch_pdl(&func, &stream, cfg, &[qp, sp, zp, op, ints[0], ints[1], ints[2], ints[3]]) }?;
+                unsafe {
+                    launch_pdl(
+                        &func,
+                        &stream,
+                        cfg,
+                        &[qp, sp, zp, op, ints[0], ints[1], ints[2], ints[3]],
+                    )
+                }?;
             }
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }

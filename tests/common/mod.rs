@@ -21,7 +21,12 @@ pub fn randn(seed: u64, shape: &[usize], std: f32, dtype: DType, dev: &Device) -
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<(f32, usize, f32)> {
     let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    anyhow::ensure!(a.len() == b.len(), "lengths differ: {} vs {}", a.len(), b.len());
+    anyhow::ensure!(
+        a.len() == b.len(),
+        "lengths differ: {} vs {}",
+        a.len(),
+        b.len()
+    );
     let mut worst = (0f32, 0usize, 0f32);
     for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
         let d = (x - y).abs();
@@ -37,18 +42,28 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<(f32, usize, f32)> {
 pub fn assert_close(a: &Tensor, b: &Tensor, atol: f32, rtol: f32, what: &str) -> Result<()> {
     let av = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let bv = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    anyhow::ensure!(a.dims() == b.dims(), "{what}: shapes {:?} vs {:?}", a.dims(), b.dims());
+    anyhow::ensure!(
+        a.dims() == b.dims(),
+        "{what}: shapes {:?} vs {:?}",
+        a.dims(),
+        b.dims()
+    );
     let mut worst: Option<(f32, usize)> = None;
     for (i, (x, y)) in av.iter().zip(bv.iter()).enumerate() {
         let excess = (x - y).abs() - (atol + rtol * y.abs());
-        if !excess.is_finite() || excess > 0.0 {
-            if worst.is_none_or(|(w, _)| excess.is_nan() || excess > w) {
-                worst = Some((excess, i));
-            }
+        if (!excess.is_finite() || excess > 0.0)
+            && worst.is_none_or(|(w, _)| excess.is_nan() || excess > w)
+        {
+            worst = Some((excess, i));
         }
     }
     if let Some((_, i)) = worst {
-        anyhow::bail!("{what}: element {i} of {:?}: got {} want {} (atol {atol}, rtol {rtol})", a.dims(), av[i], bv[i]);
+        anyhow::bail!(
+            "{what}: element {i} of {:?}: got {} want {} (atol {atol}, rtol {rtol})",
+            a.dims(),
+            av[i],
+            bv[i]
+        );
     }
     Ok(())
 }
@@ -75,9 +90,16 @@ pub fn tiny_config(layers: usize) -> candle_lowbit::Config {
 
 /// Random weights for `cfg` under HF Llama names: norms around 1, the embedding at unit
 /// scale, matrices at 1/sqrt(in).
-pub fn random_weights(cfg: &candle_lowbit::Config, seed: u64, dev: &Device) -> Result<HashMap<String, Tensor>> {
+pub fn random_weights(
+    cfg: &candle_lowbit::Config,
+    seed: u64,
+    dev: &Device,
+) -> Result<HashMap<String, Tensor>> {
     let mut m = HashMap::new();
-    for (i, (name, shape)) in candle_lowbit::llama::tensor_shapes(cfg).into_iter().enumerate() {
+    for (i, (name, shape)) in candle_lowbit::llama::tensor_shapes(cfg)
+        .into_iter()
+        .enumerate()
+    {
         let (std, offset) = match shape.as_slice() {
             [_] => (0.1, 1.0),
             _ if name.contains("embed_tokens") => (1.0, 0.0),
@@ -125,9 +147,15 @@ pub fn real_text() -> Option<std::path::PathBuf> {
     if p.is_file() {
         return Some(p);
     }
-    skipped(&format!("no calibration text: {} is not here (set CANDLE_LOWBIT_TEXT)", p.display()));
+    skipped(&format!(
+        "no calibration text: {} is not here (set CANDLE_LOWBIT_TEXT)",
+        p.display()
+    ));
     None
 }
+
+/// A position whose top-1 differs: (position, ours, stock).
+pub type Mismatch = (usize, u32, u32);
 
 /// Compare `ours` (f32-comparable logits `[seq, vocab]` of `tokens`) with stock
 /// `quantized_llama` on `dev`, fed one token at a time (it returns only the last position).
@@ -137,15 +165,20 @@ pub fn compare_with_quantized_llama(
     tokens: &[u32],
     ours: &Tensor,
     dev: &Device,
-) -> Result<(f32, Vec<(usize, u32, u32)>)> {
+) -> Result<(f32, Vec<Mismatch>)> {
     use candle_core::IndexOp;
     let mut stock = candle_lowbit::loader::StockModel::load(src, DType::F32, dev)?;
     let (mut worst, mut mismatches) = (0f32, vec![]);
     for (pos, &t) in tokens.iter().enumerate() {
-        let theirs = stock.forward(&Tensor::new(&[t], dev)?.unsqueeze(0)?, pos)?.i(0)?;
+        let theirs = stock
+            .forward(&Tensor::new(&[t], dev)?.unsqueeze(0)?, pos)?
+            .i(0)?;
         let mine = ours.i(pos)?;
         worst = worst.max(max_abs_diff(&mine, &theirs)?.0);
-        let (a, b) = (mine.argmax(0)?.to_scalar::<u32>()?, theirs.argmax(0)?.to_scalar::<u32>()?);
+        let (a, b) = (
+            mine.argmax(0)?.to_scalar::<u32>()?,
+            theirs.argmax(0)?.to_scalar::<u32>()?,
+        );
         if a != b {
             mismatches.push((pos, a, b));
         }
@@ -154,7 +187,8 @@ pub fn compare_with_quantized_llama(
 }
 
 /// A prompt of real text (≥ 64 tokens for the SmolLM2 tokenizer).
-pub const LONG_PROMPT: &str = "The history of computing is a story of ever smaller and faster machines. \
+pub const LONG_PROMPT: &str =
+    "The history of computing is a story of ever smaller and faster machines. \
 Early mechanical calculators gave way to vacuum tubes, then to transistors, and finally to \
 integrated circuits holding billions of devices. Graphics processors, first built to draw \
 triangles for games, turned out to be excellent at the dense linear algebra that neural \
