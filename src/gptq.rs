@@ -12,8 +12,10 @@
 //!    when its first column comes up;
 //! 3. `H += damp · mean(diag H) · I`; `U` = the upper Cholesky factor of `H⁻¹`
 //!    (`H⁻¹ = UᵀU`), computed as `R⁻¹` from the flipped factorization `H = R Rᵀ` (one
-//!    Cholesky and one triangular inverse, [faer]); where the factorization fails the
-//!    dampening is raised tenfold, at most three times, and the result says so;
+//!    Cholesky and one triangular inverse): [`hinv_upper`] with faer (f64, the host's
+//!    cores) for the reference, [`hinv_upper_t`] blocked on candle ops (f32, the weight's
+//!    device) for the tensor version; where the factorization fails the dampening is
+//!    raised tenfold, at most three times, and the result says so;
 //! 4. in blocks of `block` columns ("lazy batch updates"): for each column `j`, `q =
 //!    quant(w_j)`, `e = (w_j − q) / U[j, j]`, and `w_l −= e · U[j, l]` for the later
 //!    columns of the block; after the block, the columns past it get the block's errors at
@@ -41,6 +43,9 @@ pub struct GptqConfig {
     pub block: usize,
     /// Quantize columns in order of decreasing Hessian diagonal (static groups).
     pub act_order: bool,
+    /// Fit each group's range by a search for the least squared error instead of min/max
+    /// (where the format's rule has one: `UniformRule::clipped`).
+    pub clip: bool,
 }
 
 impl Default for GptqConfig {
@@ -49,6 +54,7 @@ impl Default for GptqConfig {
             damp: 0.01,
             block: 128,
             act_order: true,
+            clip: true,
         }
     }
 }
@@ -184,43 +190,179 @@ pub fn hinv_upper(h: &[f64], k: usize, damp: f64) -> Result<(Vec<f64>, f64)> {
     )
 }
 
-/// Column order, dead columns and the static parameters shared by both implementations.
-struct Prep {
+/// Column order and dead columns (from the Hessian's diagonal), shared by both
+/// implementations.
+struct Order {
     perm: Vec<usize>,
     dead: Vec<bool>,
-    /// The Hessian with dead inputs fixed, permuted, row-major f64.
-    h: Vec<f64>,
 }
 
-fn prepare(h: &[f32], k: usize, cfg: &GptqConfig) -> Result<Prep> {
-    if h.len() != k * k {
-        candle_core::bail!(
-            "gptq: a Hessian of {} values for a weight of {k} columns",
-            h.len()
-        )
-    }
+fn order(diag: &[f64], cfg: &GptqConfig) -> Result<Order> {
     if cfg.block == 0 {
         candle_core::bail!("gptq: block must be at least 1")
     }
-    let dead: Vec<bool> = (0..k).map(|i| h[i * k + i] == 0.0).collect();
-    let diag: Vec<f64> = (0..k)
-        .map(|i| if dead[i] { 1.0 } else { h[i * k + i] as f64 })
-        .collect();
-    let mut perm: Vec<usize> = (0..k).collect();
+    let dead: Vec<bool> = diag.iter().map(|&d| d == 0.0).collect();
+    let mut perm: Vec<usize> = (0..diag.len()).collect();
     if cfg.act_order {
-        perm.sort_by(|&a, &b| diag[b].total_cmp(&diag[a]));
+        let key = |i: usize| if dead[i] { 1.0 } else { diag[i] };
+        perm.sort_by(|&a, &b| key(b).total_cmp(&key(a)));
     }
+    Ok(Order { perm, dead })
+}
+
+/// The reference's Hessian: dead inputs' diagonal set to 1, permuted, row-major f64.
+fn permuted(h: &[f32], k: usize, o: &Order) -> Vec<f64> {
     let mut hp = vec![0f64; k * k];
-    for (i, &pi) in perm.iter().enumerate() {
-        for (j, &pj) in perm.iter().enumerate() {
-            hp[i * k + j] = if pi == pj {
-                diag[pi]
+    for (i, &pi) in o.perm.iter().enumerate() {
+        for (j, &pj) in o.perm.iter().enumerate() {
+            hp[i * k + j] = if pi == pj && o.dead[pi] {
+                1.0
             } else {
                 h[pi * k + pj] as f64
             };
         }
     }
-    Ok(Prep { perm, dead, h: hp })
+    hp
+}
+
+/// The diagonal of a square tensor, on the host.
+fn diag_of(t: &Tensor) -> Result<Vec<f64>> {
+    let k = t.dim(0)?;
+    let idx = Tensor::arange_step(0u32, (k * k) as u32, (k + 1) as u32, t.device())?;
+    let d = t
+        .flatten_all()?
+        .index_select(&idx, 0)?
+        .to_dtype(DType::F64)?;
+    d.to_device(&Device::Cpu)?.to_vec1::<f64>()
+}
+
+/// [`hinv_upper`] in candle tensor ops (f32) on `h`'s device: a blocked right-looking
+/// Cholesky of the flipped matrix and a blocked triangular inverse, both in blocks of 128
+/// whose own factor and inverse come from faer on the host; everything else is matmuls on
+/// the device. Measured against [`hinv_upper`] (faer, f64, the host's cores) by the bench
+/// (`gptq/hinv`), which is why the tensor GPTQ uses it.
+pub fn hinv_upper_t(h: &Tensor, damp: f64) -> Result<(Tensor, f64)> {
+    let k = h.dim(0)?;
+    if h.dims() != [k, k] {
+        candle_core::bail!("gptq: a Hessian {:?} is not square", h.shape())
+    }
+    let dev = h.device().clone();
+    let h = h.to_dtype(DType::F32)?;
+    let mean_diag = diag_of(&h)?.iter().sum::<f64>() / k.max(1) as f64;
+    let rev = Tensor::from_vec((0..k as u32).rev().collect::<Vec<_>>(), k, &dev)?;
+    let flipped = h.index_select(&rev, 0)?.index_select(&rev, 1)?;
+    let eye = Tensor::eye(k, DType::F32, &dev)?;
+    let mut frac = damp;
+    for _ in 0..4 {
+        let a = (&flipped + (&eye * (frac * mean_diag))?)?;
+        if let Some(m) = cholesky_lower_t(&a)? {
+            let minv = invert_lower_t(&m)?;
+            let u = minv.index_select(&rev, 0)?.index_select(&rev, 1)?;
+            return Ok((u, frac));
+        }
+        frac *= 10.0;
+    }
+    candle_core::bail!(
+        "gptq: the [{k}, {k}] Hessian is not positive definite even with {frac:.0e} dampening"
+    )
+}
+
+/// Block size of the tensor factorizations.
+const TB: usize = 128;
+
+/// A square block on the host as a faer matrix (f64).
+fn host_block(t: &Tensor) -> Result<faer::Mat<f64>> {
+    let b = t.dim(0)?;
+    let v = t
+        .to_dtype(DType::F64)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
+    Ok(faer::Mat::from_fn(b, b, |i, j| v[i * b + j]))
+}
+
+fn to_tensor(m: faer::MatRef<'_, f64>, dev: &Device) -> Result<Tensor> {
+    let (r, c) = (m.nrows(), m.ncols());
+    let v: Vec<f32> = (0..r)
+        .flat_map(|i| (0..c).map(move |j| m[(i, j)] as f32))
+        .collect();
+    Tensor::from_vec(v, (r, c), dev)
+}
+
+fn lower_inverse(l: faer::MatRef<'_, f64>) -> faer::Mat<f64> {
+    let mut inv = faer::Mat::<f64>::zeros(l.nrows(), l.ncols());
+    faer::linalg::triangular_inverse::invert_lower_triangular(inv.as_mut(), l, faer::Par::Seq);
+    inv
+}
+
+/// The lower Cholesky factor of `a` `[k, k]` (f32, symmetric), or `None` where `a` is not
+/// positive definite.
+fn cholesky_lower_t(a: &Tensor) -> Result<Option<Tensor>> {
+    let (k, dev) = (a.dim(0)?, a.device().clone());
+    let mut rest = a.clone();
+    let mut cols = vec![];
+    for j in (0..k).step_by(TB) {
+        let b = TB.min(k - j);
+        let Ok(llt) = host_block(&rest.narrow(0, 0, b)?.narrow(1, 0, b)?)?.llt(faer::Side::Lower)
+        else {
+            return Ok(None);
+        };
+        let l11 = to_tensor(llt.L(), &dev)?;
+        let mut col = vec![l11];
+        if j + b < k {
+            let m = k - j - b;
+            let l11_inv_t = to_tensor(lower_inverse(llt.L()).as_ref(), &dev)?
+                .t()?
+                .contiguous()?;
+            let l21 = rest
+                .narrow(0, b, m)?
+                .narrow(1, 0, b)?
+                .contiguous()?
+                .matmul(&l11_inv_t)?;
+            let a22 = rest.narrow(0, b, m)?.narrow(1, b, m)?;
+            rest = (a22 - l21.matmul(&l21.t()?)?)?.contiguous()?;
+            col.push(l21);
+        }
+        let mut col = Tensor::cat(&col, 0)?;
+        if j > 0 {
+            col = Tensor::cat(&[Tensor::zeros((j, b), DType::F32, &dev)?, col], 0)?;
+        }
+        cols.push(col);
+    }
+    let l = Tensor::cat(&cols, 1)?;
+    Ok(if l.sum_all()?.to_scalar::<f32>()?.is_finite() {
+        Some(l)
+    } else {
+        None
+    })
+}
+
+/// The inverse of lower triangular `l` `[k, k]` (f32), by block rows: `X_ii = L_ii⁻¹`,
+/// `X[i, :i] = −L_ii⁻¹ · L[i, :i] · X[:i, :i]`.
+fn invert_lower_t(l: &Tensor) -> Result<Tensor> {
+    let (k, dev) = (l.dim(0)?, l.device().clone());
+    let mut rows: Vec<Tensor> = vec![];
+    let mut done: Option<Tensor> = None; // X[:i, :i]
+    for i in (0..k).step_by(TB) {
+        let b = TB.min(k - i);
+        let lii_inv = to_tensor(
+            lower_inverse(host_block(&l.narrow(0, i, b)?.narrow(1, i, b)?)?.as_ref()).as_ref(),
+            &dev,
+        )?;
+        let mut row = vec![];
+        if let Some(x) = &done {
+            let li = l.narrow(0, i, b)?.narrow(1, 0, i)?.contiguous()?;
+            row.push((lii_inv.matmul(&li.matmul(x)?)? * -1.0)?);
+        }
+        row.push(lii_inv);
+        if i + b < k {
+            row.push(Tensor::zeros((b, k - i - b), DType::F32, &dev)?);
+        }
+        rows.push(Tensor::cat(&row, 1)?);
+        let all = Tensor::cat(&rows, 0)?;
+        done = Some(all.narrow(1, 0, i + b)?.contiguous()?);
+    }
+    Tensor::cat(&rows, 0)
 }
 
 /// Check shapes and the rule's group/block fit; returns `(n, k)`.
@@ -267,8 +409,12 @@ pub fn gptq_ref(
     cfg: &GptqConfig,
 ) -> Result<GptqOutput> {
     let (n, k) = check(w, h, rule, cfg)?;
-    let prep = prepare(&host_f32(h)?, k, cfg)?;
-    let (u, damp) = hinv_upper(&prep.h, k, cfg.damp)?;
+    let hv = host_f32(h)?;
+    let prep = order(
+        &(0..k).map(|i| hv[i * k + i] as f64).collect::<Vec<_>>(),
+        cfg,
+    )?;
+    let (u, damp) = hinv_upper(&permuted(&hv, k, &prep), k, cfg.damp)?;
     let mut wv = host_f32(w)?;
     for r in 0..n {
         for (c, &d) in prep.dead.iter().enumerate() {
@@ -318,7 +464,7 @@ fn gptq_row(
     w: &[f32],
     codes: &mut [u8],
     p: &mut [f32],
-    (prep, u, spans): (&Prep, &[f64], &[(usize, usize)]),
+    (prep, u, spans): (&Order, &[f64], &[(usize, usize)]),
     rule: &dyn GroupRule,
     cfg: &GptqConfig,
 ) {
@@ -367,10 +513,25 @@ pub fn gptq_tensor(
 ) -> Result<GptqOutput> {
     let (n, k) = check(w, h, rule, cfg)?;
     let dev = w.device().clone();
-    let prep = prepare(&host_f32(h)?, k, cfg)?;
-    let (u64s, damp) = hinv_upper(&prep.h, k, cfg.damp)?;
-    let u_host: Vec<f32> = u64s.iter().map(|&x| x as f32).collect();
-    let u = Tensor::from_slice(&u_host, (k, k), &dev)?;
+    let h = h.to_dtype(DType::F32)?;
+    let prep = order(&diag_of(&h)?, cfg)?;
+    let fix: Vec<f32> = prep
+        .dead
+        .iter()
+        .map(|&d| if d { 1.0 } else { 0.0 })
+        .collect();
+    let fix =
+        Tensor::eye(k, DType::F32, &dev)?.broadcast_mul(&Tensor::from_vec(fix, (1, k), &dev)?)?;
+    let perm_t = Tensor::from_vec(
+        prep.perm.iter().map(|&c| c as u32).collect::<Vec<_>>(),
+        k,
+        &dev,
+    )?;
+    let hp = (h + fix)?
+        .index_select(&perm_t, 0)?
+        .index_select(&perm_t, 1)?;
+    let (u, damp) = hinv_upper_t(&hp, cfg.damp)?;
+    let u_diag = diag_of(&u)?;
     let alive: Vec<f32> = prep
         .dead
         .iter()
@@ -388,12 +549,7 @@ pub fn gptq_tensor(
             params[g] = Some(rule.fit_t(g, &wt.narrow(0, start, width)?)?);
         }
     }
-    let perm = Tensor::from_vec(
-        prep.perm.iter().map(|&c| c as u32).collect::<Vec<_>>(),
-        k,
-        &dev,
-    )?;
-    let x = wt.index_select(&perm, 0)?.contiguous()?;
+    let x = wt.index_select(&perm_t, 0)?.contiguous()?;
     let codes = Tensor::zeros((k, n), DType::U8, &dev)?;
     for i1 in (0..k).step_by(cfg.block) {
         let cnt = cfg.block.min(k - i1);
@@ -434,7 +590,7 @@ pub fn gptq_tensor(
                 candle_core::bail!("gptq: group {g} has no parameters")
             };
             let (c, q) = rule.quantize_t(col, &xi, pg)?;
-            let d = u_host[(i1 + i) * k + i1 + i] as f64;
+            let d = u_diag[i1 + i];
             err.slice_set(&((xi - q)? / d)?, 0, i)?;
             codes.slice_set(&c, 0, i1 + i)?;
         }
@@ -443,7 +599,8 @@ pub fn gptq_tensor(
             let ub = u
                 .narrow(0, i1, cnt)?
                 .narrow(1, i1 + cnt, k - i1 - cnt)?
-                .t()?; // [rest, cnt]
+                .t()?
+                .contiguous()?; // [rest, cnt] (candle's CUDA matmul takes no offset views here)
             x.slice_set(&(rest - ub.matmul(&err)?)?, 0, i1 + cnt)?;
         }
     }

@@ -51,7 +51,7 @@ fn uniform_kernels_match_cpu() -> Result<()> {
                 DType::F32,
                 &cpu,
             )?;
-            let q = round_to_nearest(&w, &UniformRule { bits })?;
+            let q = round_to_nearest(&w, &UniformRule::new(bits))?;
             let packed = uniform_pack(&q.codes, bits)?;
             let packed_gpu = uniform_pack(&q.codes.to_device(&dev)?, bits)?;
             assert_eq!(
@@ -102,8 +102,8 @@ fn rtn_on_the_gpu_matches_cpu() -> Result<()> {
     for bits in [2u32, 3, 4] {
         let w = randn(40 + bits as u64, &[77, 576], 0.3, DType::F32, &cpu)?;
         let (a, b) = (
-            round_to_nearest(&w, &UniformRule { bits })?,
-            round_to_nearest(&w.to_device(&dev)?, &UniformRule { bits })?,
+            round_to_nearest(&w, &UniformRule::new(bits))?,
+            round_to_nearest(&w.to_device(&dev)?, &UniformRule::new(bits))?,
         );
         assert_eq!(
             b.codes.to_device(&cpu)?.flatten_all()?.to_vec1::<u8>()?,
@@ -181,7 +181,7 @@ fn gptq_on_the_gpu_agrees_with_reference() -> Result<()> {
                 act_order,
                 ..Default::default()
             };
-            let rule = UniformRule { bits };
+            let rule = UniformRule::new(bits);
             let a = gptq_ref(&w, &h, &rule, &cfg)?.quantized;
             let b = gptq_tensor(&w.to_device(&dev)?, &h.to_device(&dev)?, &rule, &cfg)?.quantized;
             let (ca, cb) = (

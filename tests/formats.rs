@@ -159,7 +159,7 @@ fn uniform_pack_is_exact() -> Result<()> {
 fn uniform_rtn_matches_scalar_reference() -> Result<()> {
     let dev = Device::Cpu;
     for bits in [2u32, 3, 4] {
-        let rule = uniform::UniformRule { bits };
+        let rule = uniform::UniformRule::new(bits);
         for &(n, k) in &[(1usize, 1usize), (5, 200), (3, 128), (7, 576)] {
             let w = randn(bits as u64 * 100 + k as u64, &[n, k], 0.3, DType::F32, &dev)?;
             let q = round_to_nearest(&w, &rule)?;
@@ -191,6 +191,50 @@ fn uniform_rtn_matches_scalar_reference() -> Result<()> {
             rule.fit(0, &w.flatten_all()?.to_vec1::<f32>()?[..k.min(128)], &mut p);
             assert_eq!(&p[..], &params[..2]);
         }
+    }
+    Ok(())
+}
+
+/// The searched range never fits a group worse than min/max (squared error), and its tensor
+/// form picks the same parameters as the scalar one.
+#[test]
+fn clipped_range_search() -> Result<()> {
+    let dev = Device::Cpu;
+    for bits in [2u32, 3, 4] {
+        let (plain, clip) = (
+            uniform::UniformRule::new(bits),
+            uniform::UniformRule::clipped(bits),
+        );
+        let w = randn(60 + bits as u64, &[9, 300], 0.3, DType::F32, &dev)?;
+        let (q0, q1) = (round_to_nearest(&w, &plain)?, round_to_nearest(&w, &clip)?);
+        let v = w.flatten_all()?.to_vec1::<f32>()?;
+        let (c1, p1) = round_to_nearest_ref(&v, 9, 300, &clip);
+        assert_eq!(
+            q1.codes.flatten_all()?.to_vec1::<u8>()?,
+            c1,
+            "int{bits} clipped codes"
+        );
+        assert_eq!(
+            q1.params.flatten_all()?.to_vec1::<f32>()?,
+            p1,
+            "int{bits} clipped params"
+        );
+        let err = |q: &candle_lowbit::gptq::Quantized| -> Result<f32> {
+            let l =
+                uniform::UniformWeights::from_codes(WeightFormat::Int4, bits, &q.codes, &q.params)?;
+            Ok(
+                (candle_lowbit::formats::LinearWeights::dequantize(&l)? - &w)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f32>()?,
+            )
+        };
+        let (e0, e1) = (err(&q0)?, err(&q1)?);
+        println!("int{bits}: squared error min/max {e0:.4}, searched {e1:.4}");
+        assert!(
+            e1 <= e0,
+            "int{bits}: searched range {e1} worse than min/max {e0}"
+        );
     }
     Ok(())
 }

@@ -45,7 +45,7 @@ fn identity_hessian_is_round_to_nearest() -> Result<()> {
     let w = randn(1, &[n, k], 0.2, DType::F32, &Device::Cpu)?;
     let h = Tensor::eye(k, DType::F32, &Device::Cpu)?;
     for bits in [2, 3, 4] {
-        let rule = UniformRule { bits };
+        let rule = UniformRule::new(bits);
         let rtn = round_to_nearest(&w, &rule)?;
         for act_order in [false, true] {
             let cfg = GptqConfig {
@@ -84,7 +84,7 @@ fn gptq_objective_below_rtn() -> Result<()> {
     let w = randn(2, &[n, k], 0.2, DType::F32, &Device::Cpu)?;
     let h = hessian(3, k, 2000)?;
     for bits in [2, 3, 4] {
-        let rule = UniformRule { bits };
+        let rule = UniformRule::new(bits);
         let rtn = objective(&w, &dequant(&round_to_nearest(&w, &rule)?, bits)?, &h)?;
         for act_order in [false, true] {
             let cfg = GptqConfig {
@@ -125,7 +125,7 @@ fn tensor_gptq_agrees_with_reference() -> Result<()> {
     let w = randn(4, &[n, k], 0.2, DType::F32, &Device::Cpu)?;
     let h = hessian(5, k, 1500)?;
     for bits in [2, 3, 4] {
-        let rule = UniformRule { bits };
+        let rule = UniformRule::new(bits);
         for act_order in [false, true] {
             let cfg = GptqConfig {
                 act_order,
@@ -197,6 +197,30 @@ fn hinv_upper_is_the_cholesky_factor_of_the_inverse() -> Result<()> {
     Ok(())
 }
 
+/// The blocked tensor-op factor (f32) equals faer's (f64) to f32 rounding, odd k included.
+#[test]
+fn tensor_hinv_matches_faer() -> Result<()> {
+    for k in [1usize, 77, 300] {
+        let h = hessian(9 + k as u64, k, 2 * k + 10)?;
+        let hv = h.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        let (u, d1) = hinv_upper(&hv, k, 0.01)?;
+        let (ut, d2) = candle_lowbit::gptq::hinv_upper_t(&h, 0.01)?;
+        assert_eq!(d1, d2);
+        let ut = ut.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        let scale = u.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let worst = u
+            .iter()
+            .zip(&ut)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f64, f64::max);
+        assert!(
+            worst < 1e-4 * scale,
+            "k={k}: worst |diff| {worst:.2e} (scale {scale:.2e})"
+        );
+    }
+    Ok(())
+}
+
 /// A dead input (H[i, i] = 0) is quantized as the weight 0 would be; nothing else moves.
 #[test]
 fn dead_inputs_are_zeroed() -> Result<()> {
@@ -208,7 +232,7 @@ fn dead_inputs_are_zeroed() -> Result<()> {
     let h = h
         .broadcast_mul(&m.unsqueeze(0)?)?
         .broadcast_mul(&m.unsqueeze(1)?)?;
-    let rule = UniformRule { bits: 4 };
+    let rule = UniformRule::new(4);
     for q in [
         gptq_ref(&w, &h, &rule, &GptqConfig::default())?,
         gptq_tensor(&w, &h, &rule, &GptqConfig::default())?,
@@ -235,7 +259,7 @@ fn dead_inputs_are_zeroed() -> Result<()> {
 #[test]
 fn bad_input_is_rejected() -> Result<()> {
     let w = randn(1, &[4, 64], 0.2, DType::F32, &Device::Cpu)?;
-    let rule = UniformRule { bits: 4 };
+    let rule = UniformRule::new(4);
     let err = gptq_ref(
         &w,
         &Tensor::eye(63, DType::F32, &Device::Cpu)?,

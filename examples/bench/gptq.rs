@@ -1,8 +1,10 @@
 //! Section 5: the quantizer's speed, on the bench's device.
 //!
-//! - `gptq/hinv/k=<k>`: the inverse-Hessian factor GPTQ needs (`gptq::hinv_upper`: faer's
-//!   Cholesky and triangular inverse on the host's cores, f64) of a random positive
-//!   definite `[k, k]`, at the widths of Llama-2-7B's layer inputs.
+//! - `gptq/hinv/k=<k>/<impl>`: the inverse-Hessian factor GPTQ needs, of a random positive
+//!   definite `[k, k]` at the widths of Llama-2-7B's layer inputs, two ways: `faer-f64`
+//!   (`gptq::hinv_upper`: faer's Cholesky and triangular inverse on the host's cores, what
+//!   the CPU reference uses) and `candle-f32` (`gptq::hinv_upper_t`: blocked on candle ops on
+//!   the device, what the tensor GPTQ uses); `vs_faer` is faer's time over this one's.
 //! - `gptq/<shape>/<format>/block`: GPTQ's sequential mode (`calib::quantize_model`) over
 //!   one Llama-2-7B-shaped block (random f16 weights) on 128 windows of 2048 random tokens,
 //!   timed by stage (embedding, the observed dense passes with their `XᵀX`, GPTQ of the four
@@ -20,19 +22,27 @@ use candle_nn::VarBuilder;
 use std::time::Instant;
 
 pub fn run(ctx: &mut Ctx) -> Result<()> {
-    for k in if ctx.quick {
+    let widths = if ctx.quick {
         vec![256]
     } else {
         vec![4096, 11008]
-    } {
-        let name = format!("gptq/hinv/k={k}");
-        if ctx.wants(&name) && !ctx.over_budget() {
-            let row = hinv(
-                ctx,
-                k,
-                Row::new("gptq", &name).table("GPTQ: inverse-Hessian factor"),
-            );
-            push(ctx, &name, row)?;
+    };
+    for k in widths {
+        let mut faer_s = None;
+        for on_device in [false, true] {
+            let imp = if on_device { "candle-f32" } else { "faer-f64" };
+            let name = format!("gptq/hinv/k={k}/{imp}");
+            if ctx.wants(&name) && !ctx.over_budget() {
+                let row = Row::new("gptq", &name).table("GPTQ: inverse-Hessian factor");
+                let row = hinv(ctx, k, on_device, row).map(|r| {
+                    let s = r.get("s");
+                    if !on_device {
+                        faer_s = s;
+                    }
+                    r.opt("vs_faer", faer_s.zip(s).map(|(f, s)| f / s))
+                });
+                push(ctx, &name, row)?;
+            }
         }
     }
     let f = WeightFormat::Int4Gptq;
@@ -71,19 +81,26 @@ fn push(ctx: &mut Ctx, name: &str, row: Result<Row>) -> Result<()> {
     Ok(())
 }
 
-/// A random `H = AᵀA / t + I·1e-3` of width `k` (made on the device), then `hinv_upper` timed.
-fn hinv(ctx: &Ctx, k: usize, row: Row) -> Result<Row> {
+/// A random `H = AᵀA / t` of width `k` (made on the device), then the factor timed (the
+/// median of three).
+fn hinv(ctx: &Ctx, k: usize, on_device: bool, row: Row) -> Result<Row> {
     let a = crate::util::randn(&[k + 512, k], 1.0, DType::F32, &ctx.dev)?;
     let h = (a.t()?.matmul(&a)? / (k + 512) as f64)?;
-    let h = h
+    let host = h
         .to_dtype(DType::F64)?
         .to_device(&candle_core::Device::Cpu)?
         .flatten_all()?
         .to_vec1::<f64>()?;
     let mut v = vec![];
     for _ in 0..3 {
+        ctx.dev.synchronize()?;
         let t0 = Instant::now();
-        candle_lowbit::gptq::hinv_upper(&h, k, 0.01)?;
+        if on_device {
+            candle_lowbit::gptq::hinv_upper_t(&h, 0.01)?;
+            ctx.dev.synchronize()?;
+        } else {
+            candle_lowbit::gptq::hinv_upper(&host, k, 0.01)?;
+        }
         v.push(t0.elapsed().as_secs_f64());
     }
     let t = crate::util::median(&mut v);

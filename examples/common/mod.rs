@@ -101,6 +101,10 @@ pub struct CalibArgs {
     /// GPTQ activation order (columns by decreasing Hessian diagonal, static groups).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub gptq_act_order: bool,
+
+    /// GPTQ fits each group's range by a least-squared-error search (else min/max).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub gptq_clip: bool,
 }
 
 impl CalibArgs {
@@ -110,6 +114,7 @@ impl CalibArgs {
                 damp: self.gptq_damp,
                 block: self.gptq_block,
                 act_order: self.gptq_act_order,
+                clip: self.gptq_clip,
             },
         }
     }
@@ -158,6 +163,7 @@ impl CalibArgs {
                 "block": self.gptq_block,
                 "act_order": self.gptq_act_order,
                 "static_groups": self.gptq_act_order,
+                "clip_search": self.gptq_clip,
             });
             j["calibration"] = serde_json::json!({
                 "samples": self.calib_samples,

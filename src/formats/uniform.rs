@@ -200,25 +200,62 @@ pub fn dequantize(
 // The quantization rule (round to nearest within a group), for RTN and GPTQ alike.
 
 /// Asymmetric `bits`-bit groups of [`GROUP`]: parameters `[scale, zero]` per (row, group),
-/// both f16-representable.
+/// both f16-representable. With `clip`, a group's range is the one of
+/// `[f · min, f · max]`, `f` in 1.00, 0.99, …, 0.21, with the least squared error over the
+/// group (the range search of GPTQ's quantizer with `mse`, on squared error); without it,
+/// `[min, max]` (round to nearest as the literature's baselines take it).
 #[derive(Debug, Clone, Copy)]
 pub struct UniformRule {
     pub bits: u32,
+    pub clip: bool,
 }
 
+/// Range factors the clipped fit tries: `1 − i / 100` for `i` in `0..CLIP_STEPS`.
+pub const CLIP_STEPS: usize = 80;
+
 impl UniformRule {
+    /// Min/max groups.
+    pub fn new(bits: u32) -> Self {
+        Self { bits, clip: false }
+    }
+
+    /// Groups with the searched range.
+    pub fn clipped(bits: u32) -> Self {
+        Self { bits, clip: true }
+    }
+
     fn maxq(&self) -> f32 {
         ((1u32 << self.bits) - 1) as f32
     }
 
+    /// `1 / maxq` as the tensor ops multiply by it (candle's affine).
+    fn inv_maxq(&self) -> f32 {
+        (1.0 / self.maxq() as f64) as f32
+    }
+
     fn scale_zero(&self, mn: f32, mx: f32) -> (f32, f32) {
-        let scale = f16::from_f32((mx - mn) / self.maxq()).to_f32();
+        let scale = f16::from_f32((mx - mn) * self.inv_maxq()).to_f32();
         let scale = if scale > 0.0 && scale.is_finite() {
             scale
         } else {
             1.0
         };
         (scale, f16::from_f32(mn).to_f32())
+    }
+
+    fn factor(i: usize) -> f32 {
+        1.0 - i as f32 / 100.0
+    }
+
+    /// `(scale, zero)` for ranges `[mn, mx]` `[.., 1, n]` as tensors.
+    fn scale_zero_t(&self, mn: &Tensor, mx: &Tensor) -> Result<(Tensor, Tensor)> {
+        let scale = (mx - mn)?
+            .affine(self.inv_maxq() as f64, 0.0)?
+            .to_dtype(DType::F16)?
+            .to_dtype(DType::F32)?;
+        // Where the range is 0 (or the scale underflows), scale 1: every code is 0.
+        let scale = scale.gt(0f64)?.where_cond(&scale, &scale.ones_like()?)?;
+        Ok((scale, mn.to_dtype(DType::F16)?.to_dtype(DType::F32)?))
     }
 }
 
@@ -234,7 +271,21 @@ impl GroupRule for UniformRule {
     fn fit(&self, _group: usize, w: &[f32], p: &mut [f32]) {
         let mn = w.iter().copied().fold(f32::INFINITY, f32::min);
         let mx = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let (s, z) = self.scale_zero(mn, mx);
+        let (mut s, mut z) = self.scale_zero(mn, mx);
+        if self.clip {
+            let mut best = f32::INFINITY;
+            for i in 0..CLIP_STEPS {
+                let f = Self::factor(i);
+                let (si, zi) = self.scale_zero(mn * f, mx * f);
+                let err: f32 = w
+                    .iter()
+                    .map(|&x| (x - self.quantize(0, &[si, zi], x).1).powi(2))
+                    .sum();
+                if err < best {
+                    (best, s, z) = (err, si, zi);
+                }
+            }
+        }
         p[0] = s;
         p[1] = z;
     }
@@ -245,20 +296,26 @@ impl GroupRule for UniformRule {
     }
 
     fn fit_t(&self, _group: usize, wt: &Tensor) -> Result<Tensor> {
-        let mn = wt.min_keepdim(0)?;
-        let mx = wt.max_keepdim(0)?;
-        let scale = ((&mx - &mn)? / self.maxq() as f64)?
-            .to_dtype(DType::F16)?
-            .to_dtype(DType::F32)?;
-        // Where the range is 0 (or the scale underflows), scale 1: every code is 0.
-        let ok = scale.gt(0f64)?;
-        let scale = ok.where_cond(&scale, &scale.ones_like()?)?;
-        let zero = mn.to_dtype(DType::F16)?.to_dtype(DType::F32)?;
-        Tensor::cat(&[scale, zero], 0)
+        let (mn, mx) = (wt.min_keepdim(0)?, wt.max_keepdim(0)?);
+        if !self.clip {
+            let (scale, zero) = self.scale_zero_t(&mn, &mx)?;
+            return Tensor::cat(&[scale, zero], 0);
+        }
+        // Every range factor at once: [CLIP_STEPS, 1, n] parameters, [CLIP_STEPS, c, n] codes.
+        let f: Vec<f32> = (0..CLIP_STEPS).map(Self::factor).collect();
+        let f = Tensor::from_vec(f, (CLIP_STEPS, 1, 1), wt.device())?;
+        let (scale, zero) = self.scale_zero_t(&f.broadcast_mul(&mn)?, &f.broadcast_mul(&mx)?)?;
+        let (_, v) = self.quantize_t(0, &wt.unsqueeze(0)?, &Tensor::cat(&[&scale, &zero], 1)?)?;
+        let err = v.broadcast_sub(wt)?.sqr()?.sum(1)?; // [CLIP_STEPS, n]
+        let best = err.argmin_keepdim(0)?; // [1, n]
+        let pick = |t: &Tensor| t.squeeze(1)?.gather(&best, 0);
+        Tensor::cat(&[pick(&scale)?, pick(&zero)?], 0)
     }
 
+    /// Also over a leading batch dimension: `wt` `[b, c, n]`, `p` `[b, 2, n]`.
     fn quantize_t(&self, _col: usize, wt: &Tensor, p: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (scale, zero) = (p.narrow(0, 0, 1)?, p.narrow(0, 1, 1)?);
+        let d = p.rank() - 2;
+        let (scale, zero) = (p.narrow(d, 0, 1)?, p.narrow(d, 1, 1)?);
         let q = wt
             .broadcast_sub(&zero)?
             .broadcast_div(&scale)?
@@ -428,7 +485,11 @@ impl Codec for UniformCodec {
         hessian: Option<&Tensor>,
         opts: &QuantOptions,
     ) -> Result<Box<dyn LinearWeights>> {
-        let rule = UniformRule { bits: self.bits };
+        // GPTQ fits its groups with the searched range, round to nearest with min/max.
+        let rule = UniformRule {
+            bits: self.bits,
+            clip: self.gptq && opts.gptq.clip,
+        };
         let q = match (self.gptq, hessian) {
             (false, _) => crate::gptq::round_to_nearest(w, &rule)?,
             (true, Some(h)) => crate::gptq::gptq(w, h, &rule, &opts.gptq)?.quantized,
