@@ -334,6 +334,7 @@ fn print_json(
         "model": s.loaded.name,
         "quant": s.loaded.format.name(),
         "bits_per_weight": s.loaded.model.bits_per_weight(),
+        "block_bits_per_weight": s.loaded.model.block_bits_per_weight(),
         "head": s.loaded.model.lm_head().format_name(),
         "calibration": s.loaded.calibration.as_ref().map(|c| serde_json::json!({
             "file": c.file, "sha256": c.sha256, "samples": c.samples, "len": c.len, "seed": c.seed,

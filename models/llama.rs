@@ -239,6 +239,17 @@ impl Block {
     }
 }
 
+/// Bits per weight of `layers` together, every byte counted.
+fn bits_of(layers: &[&QLinear]) -> f64 {
+    let (mut bytes, mut n) = (0usize, 0usize);
+    for l in layers {
+        let (o, i) = l.shape();
+        bytes += l.weight_bytes();
+        n += o * i;
+    }
+    bytes as f64 * 8.0 / n.max(1) as f64
+}
+
 /// The model. `forward` returns f32 logits of the last position, `[b, vocab]`.
 #[derive(Debug, Clone)]
 pub struct Llama {
@@ -415,15 +426,17 @@ impl Llama {
         Ok(())
     }
 
-    /// Bits per weight over all linear layers, counting every byte they read.
+    /// Bits per weight over all linear layers (the output head included), counting every
+    /// byte they read.
     pub fn bits_per_weight(&self) -> f64 {
-        let (mut bytes, mut n) = (0usize, 0usize);
-        for l in self.linears() {
-            let (o, i) = l.shape();
-            bytes += l.weight_bytes();
-            n += o * i;
-        }
-        bytes as f64 * 8.0 / n.max(1) as f64
+        bits_of(&self.linears())
+    }
+
+    /// Bits per weight over the blocks' linear layers (the head left out).
+    pub fn block_bits_per_weight(&self) -> f64 {
+        let mut layers = self.linears();
+        layers.pop();
+        bits_of(&layers)
     }
 
     /// Bytes of every weight the model holds (linear layers, embedding, norms).

@@ -368,7 +368,8 @@ pub fn quantize_model(
         drop(obs);
         progress.step(&format!("{name} quantize"));
         report.quantize_s += clock.lap()?;
-        for s in states.iter_mut() {
+        // The last block's outputs feed nothing.
+        for s in states.iter_mut().filter(|_| layer + 1 < layers) {
             *s = model.block_prefill(layer, (&s.0, &s.1), &mut cache, &mut NoObserver)?;
             progress.step(&format!("{name} propagate"));
         }

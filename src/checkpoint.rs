@@ -67,8 +67,10 @@ pub struct Manifest {
     pub format_version: u32,
     /// The quantizer's settings, as the tool that wrote it recorded them.
     pub quantizer: serde_json::Value,
-    /// Over every linear layer, every byte counted.
+    /// Over every linear layer (the head included), every byte counted.
     pub bits_per_weight: f64,
+    /// Over the blocks' linear layers (the head left out).
+    pub block_bits_per_weight: f64,
     pub calibration: Option<CalibInfo>,
     /// The dtype the dense tensors are stored in.
     pub dtype: String,
@@ -201,6 +203,7 @@ pub fn save(model: &Llama, dir: &Path, info: &SaveInfo) -> Result<Manifest> {
         format_version: info.format.spec().version,
         quantizer: info.quantizer.clone(),
         bits_per_weight: model.bits_per_weight(),
+        block_bits_per_weight: model.block_bits_per_weight(),
         calibration: info.calibration.clone(),
         dtype: dtype.as_str().into(),
         layers,

@@ -6,10 +6,12 @@
 //!   the CPU reference uses) and `candle-f32` (`gptq::hinv_upper_t`: blocked on candle ops on
 //!   the device, what the tensor GPTQ uses); `vs_faer` is faer's time over this one's.
 //! - `gptq/<shape>/<format>/block`: GPTQ's sequential mode (`calib::quantize_model`) over
-//!   one Llama-2-7B-shaped block (random f16 weights) on 128 windows of 2048 random tokens,
+//!   two Llama-2-7B-shaped blocks (random f16 weights) on 128 windows of 2048 random tokens,
 //!   timed by stage (embedding, the observed dense passes with their `XᵀX`, GPTQ of the four
-//!   projections, the quantized passes); `est_7b_min` extrapolates to the whole model: 32
-//!   blocks, plus the embedding of the windows and the head once.
+//!   projections, the quantized pass that feeds the second block; the last block's outputs
+//!   feed nothing); `block_s` is one block's share, and `est_7b_min` extrapolates to the
+//!   whole model: 32 blocks calibrated and quantized, 31 propagated, plus the embedding of
+//!   the windows and the head once.
 
 use crate::models::{llama2_7b, random_weights, tiny};
 use crate::report::Row;
@@ -120,7 +122,8 @@ fn block(ctx: &Ctx, f: WeightFormat, (samples, len): (usize, usize), row: Row) -
     } else {
         llama2_7b(len)
     };
-    cfg.num_hidden_layers = 1;
+    let layers = 2;
+    cfg.num_hidden_layers = layers;
     let t0 = Instant::now();
     let w = random_weights(&cfg, ctx.dtype, &ctx.dev, 5)?;
     let mut model = Llama::load(VarBuilder::from_tensors(w, ctx.dtype, &ctx.dev), &cfg)?;
@@ -158,15 +161,21 @@ fn block(ctx: &Ctx, f: WeightFormat, (samples, len): (usize, usize), row: Row) -
         .sum_all()?
         .to_scalar::<f32>()?
         .is_finite();
-    let block_s = r.calibrate_s + r.quantize_s + r.propagate_s;
-    let est = 32.0 * block_s + r.embed_s + r.head_s;
+    let l = layers as f64;
+    let (calib, quant, prop) = (
+        r.calibrate_s / l,
+        r.quantize_s / l,
+        r.propagate_s / (l - 1.0),
+    );
+    let block_s = calib + quant + prop;
+    let est = 32.0 * (calib + quant) + 31.0 * prop + r.embed_s + r.head_s;
     let row = row
         .num("tokens", r.tokens as f64)
         .num("build_s", build_s)
         .num("embed_s", r.embed_s)
-        .num("calibrate_s", r.calibrate_s)
-        .num("gptq_s", r.quantize_s)
-        .num("propagate_s", r.propagate_s)
+        .num("calibrate_s", calib)
+        .num("gptq_s", quant)
+        .num("propagate_s", prop)
         .num("head_s", r.head_s)
         .num("block_s", block_s)
         .num("est_7b_min", est / 60.0);

@@ -310,10 +310,13 @@ pub fn weights_label(s: &Session) -> String {
 /// One line: model, device, dtype, weight format with its real bits per weight, fallbacks,
 /// KV-cache format, and how it was quantized or loaded.
 pub fn describe(s: &Session) -> Result<String> {
-    let bpw = s.loaded.model.bits_per_weight();
+    let (bpw, blocks) = (
+        s.loaded.model.bits_per_weight(),
+        s.loaded.model.block_bits_per_weight(),
+    );
     let weights = weights_label(s);
     let mut line = format!(
-        "{} | {} | {} | weights {weights} ({bpw:.3} bits/weight over every linear layer, head {})",
+        "{} | {} | {} | weights {weights} ({blocks:.3} bits/weight in the blocks, {bpw:.3} with the {} head)",
         s.loaded.name,
         device_name(&s.device),
         s.dtype.as_str(),
@@ -334,6 +337,12 @@ pub fn describe(s: &Session) -> Result<String> {
     line += &format!(" | kv cache {}", s.kv_cache);
     if let Some(q) = &s.loaded.quantized {
         line += &format!(" | quantized at load in {:.1}s", q.seconds);
+        if q.tokens > 0 {
+            line += &format!(
+                " (calibrate {:.1}s, quantize {:.1}s, propagate {:.1}s)",
+                q.calibrate_s, q.quantize_s, q.propagate_s
+            );
+        }
     }
     if s.loaded.manifest.is_some() {
         line += &format!(" | checkpoint loaded in {:.2}s", s.load_secs);
