@@ -561,7 +561,8 @@ impl Llama {
     /// Block `layer` alone over a batch of prompts that start at position 0, from the state
     /// before it (`res`, `xn` `[b, seq, hidden]`, as [`Llama::embed`] or the previous call
     /// returned) to the state after it; `obs` sees its linear inputs and K/V. Uses only
-    /// the cache's layer `layer` (cleared first). Calibration runs the model this way, one
+    /// the cache's layer `layer`, whose storage the prompt's rows overwrite (reallocated only
+    /// when the batch size changes). Calibration runs the model this way, one
     /// block at a time.
     pub fn block_prefill(
         &self,
@@ -588,7 +589,6 @@ impl Llama {
             mask: Some(&mask),
         };
         let kv = &mut cache.kvs[layer];
-        kv.clear();
         blk.forward(
             (res, xn),
             self.next_norm(layer),
