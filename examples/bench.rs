@@ -139,6 +139,7 @@ fn run(args: &Args) -> Result<bool> {
         attention::run(&mut ctx)?;
         e2e::run(&mut ctx, e2e::Section::Floor)?;
         e2e::run(&mut ctx, e2e::Section::E2e)?;
+        e2e::run(&mut ctx, e2e::Section::E2e70b)?;
         gptq::run(&mut ctx)?;
         if let Some(path) = &args.model {
             model_section(&mut ctx, args, path)?;
@@ -151,6 +152,7 @@ fn run(args: &Args) -> Result<bool> {
         "attention",
         "floor",
         "e2e",
+        "e2e70b",
         "gptq",
         "model",
     ] {

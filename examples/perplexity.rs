@@ -336,6 +336,7 @@ fn print_json(
         "bits_per_weight": s.loaded.model.bits_per_weight(),
         "block_bits_per_weight": s.loaded.model.block_bits_per_weight(),
         "head": s.loaded.model.lm_head().format_name(),
+        "quantizer": args.model.calib.settings_json(s.loaded.format),
         "calibration": s.loaded.calibration.as_ref().map(|c| serde_json::json!({
             "file": c.file, "sha256": c.sha256, "samples": c.samples, "len": c.len, "seed": c.seed,
         })),

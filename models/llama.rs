@@ -409,6 +409,15 @@ impl Llama {
     /// formats go through [`crate::calib::quantize_model`]), the head in
     /// [`Llama::head_format`].
     pub fn quantize(&mut self, format: WeightFormat) -> Result<()> {
+        self.quantize_with(format, &crate::formats::QuantOptions::default())
+    }
+
+    /// [`Llama::quantize`] with the quantizer's options.
+    pub fn quantize_with(
+        &mut self,
+        format: WeightFormat,
+        opts: &crate::formats::QuantOptions,
+    ) -> Result<()> {
         if format.needs_calibration() {
             candle_core::bail!(
                 "{format} needs calibration statistics: quantize through candle_lowbit::calib::quantize_model \
@@ -418,7 +427,7 @@ impl Llama {
         let mut layers = self.linears_mut();
         let head = layers.pop();
         for l in layers {
-            *l = l.quantize(format)?;
+            *l = l.quantize_with(format, None, opts)?;
         }
         if let Some(head) = head {
             *head = head.quantize(Self::head_format(format))?;

@@ -311,9 +311,9 @@ pub struct QuantReport {
 }
 
 /// Quantize every linear layer of `model` in `format`, the head in
-/// [`Llama::head_format`]. Formats that need calibration go through GPTQ's sequential mode
-/// over `windows` (see the module docs); others are rounded directly and `windows` is not
-/// read. `dtype` is the model's run dtype.
+/// [`Llama::head_format`]. Formats that use calibration go through the sequential mode
+/// over `windows` (see the module docs; GPTQ formats need them, `w2416` ranks its tiles by
+/// them where given); others are rounded directly and `windows` is not read. `dtype` is the model's run dtype.
 pub fn quantize_model(
     model: &mut Llama,
     cfg: &Config,
@@ -328,9 +328,9 @@ pub fn quantize_model(
         format: Some(format),
         ..Default::default()
     };
-    if !format.needs_calibration() {
+    if !format.uses_calibration() || (windows.is_empty() && !format.needs_calibration()) {
         progress.start("quantize", 1);
-        model.quantize(format)?;
+        model.quantize_with(format, opts)?;
         progress.step("every layer");
         progress.finish();
         report.seconds = t0.elapsed().as_secs_f64();

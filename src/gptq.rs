@@ -68,11 +68,12 @@ pub trait GroupRule: Sync {
     fn group_size(&self) -> usize;
     /// Parameters per (row, group), e.g. 2: scale and zero.
     fn params(&self) -> usize;
-    /// Fit the parameters `p` (`params()` values) of one row's group `group` from its
+    /// Fit the parameters `p` (`params()` values) of row `row`'s group `group` from its
     /// current weights `w`.
-    fn fit(&self, group: usize, w: &[f32], p: &mut [f32]);
-    /// The code of weight `x` of column `col` under parameters `p`, and the value it stands for.
-    fn quantize(&self, col: usize, p: &[f32], x: f32) -> (u8, f32);
+    fn fit(&self, row: usize, group: usize, w: &[f32], p: &mut [f32]);
+    /// The code of weight `x` at (`row`, `col`) under parameters `p`, and the value it
+    /// stands for.
+    fn quantize(&self, row: usize, col: usize, p: &[f32], x: f32) -> (u8, f32);
     /// [`GroupRule::fit`] for all rows at once: `wt` `[width, n]` (the group's columns as
     /// rows) → parameters `[params(), n]` f32.
     fn fit_t(&self, group: usize, wt: &Tensor) -> Result<Tensor>;
@@ -81,11 +82,14 @@ pub trait GroupRule: Sync {
     fn quantize_t(&self, col: usize, wt: &Tensor, p: &Tensor) -> Result<(Tensor, Tensor)>;
 }
 
-/// A quantized weight: codes u8 `[n, k]` and the rule's parameters f32 `[n, groups, P]`.
+/// A quantized weight: codes u8 `[n, k]`, the rule's parameters f32 `[n, groups, P]`, and
+/// the values the rule gave every weight f32 `[n, k]` (what the codes stand for; where a
+/// rule keeps a weight exactly, an outlier, the weight as it stood when quantized).
 #[derive(Debug, Clone)]
 pub struct Quantized {
     pub codes: Tensor,
     pub params: Tensor,
+    pub values: Tensor,
 }
 
 /// What [`gptq`] returns: the weight, and the dampening that was used.
@@ -109,14 +113,17 @@ fn group_spans(k: usize, size: usize) -> Vec<(usize, usize)> {
 pub fn round_to_nearest(w: &Tensor, rule: &dyn GroupRule) -> Result<Quantized> {
     let (n, k) = w.dims2()?;
     let wt = w.to_dtype(DType::F32)?.t()?.contiguous()?;
-    let (mut codes, mut params) = (vec![], vec![]);
+    let (mut codes, mut params, mut values) = (vec![], vec![], vec![]);
     for (g, (start, width)) in group_spans(k, rule.group_size()).into_iter().enumerate() {
         let part = wt.narrow(0, start, width)?;
         let p = rule.fit_t(g, &part)?;
-        codes.push(rule.quantize_t(start, &part, &p)?.0);
+        let (c, v) = rule.quantize_t(start, &part, &p)?;
+        codes.push(c);
+        values.push(v);
         params.push(p);
     }
     let codes = Tensor::cat(&codes, 0)?.t()?.contiguous()?;
+    let values = Tensor::cat(&values, 0)?.t()?.contiguous()?;
     let params = Tensor::stack(&params, 0)?
         .permute((2, 0, 1))?
         .contiguous()?;
@@ -126,7 +133,11 @@ pub fn round_to_nearest(w: &Tensor, rule: &dyn GroupRule) -> Result<Quantized> {
             codes.dims()
         )
     }
-    Ok(Quantized { codes, params })
+    Ok(Quantized {
+        codes,
+        params,
+        values,
+    })
 }
 
 /// The scalar reference of [`round_to_nearest`]: codes `[n, k]` and parameters `[n, groups, P]`.
@@ -142,9 +153,9 @@ pub fn round_to_nearest_ref(
     for r in 0..n {
         for (g, &(start, width)) in spans.iter().enumerate() {
             let p = &mut params[(r * spans.len() + g) * np..][..np];
-            rule.fit(g, &w[r * k + start..r * k + start + width], p);
+            rule.fit(r, g, &w[r * k + start..r * k + start + width], p);
             for c in start..start + width {
-                codes[r * k + c] = rule.quantize(c, p, w[r * k + c]).0;
+                codes[r * k + c] = rule.quantize(r, c, p, w[r * k + c]).0;
             }
         }
     }
@@ -426,6 +437,7 @@ pub fn gptq_ref(
     let spans = group_spans(k, rule.group_size());
     let np = rule.params();
     let (mut codes, mut params) = (vec![0u8; n * k], vec![0f32; n * spans.len() * np]);
+    let mut values = vec![0f32; n * k];
     let threads = std::thread::available_parallelism()
         .map(|t| t.get())
         .unwrap_or(1)
@@ -435,35 +447,42 @@ pub fn gptq_ref(
         let work = wv
             .chunks(rows_per * k)
             .zip(codes.chunks_mut(rows_per * k))
+            .zip(values.chunks_mut(rows_per * k))
             .zip(params.chunks_mut(rows_per * spans.len() * np));
-        for ((wr, cr), pr) in work {
+        for (chunk, (((wr, cr), vr), pr)) in work.enumerate() {
             let (prep, u, spans) = (&prep, &u, &spans);
             s.spawn(move || {
-                for ((w_row, c_row), p_row) in wr
+                let rows = wr
                     .chunks(k)
                     .zip(cr.chunks_mut(k))
-                    .zip(pr.chunks_mut(spans.len() * np))
-                {
-                    gptq_row(w_row, c_row, p_row, (prep, u, spans), rule, cfg);
+                    .zip(vr.chunks_mut(k))
+                    .zip(pr.chunks_mut(spans.len() * np));
+                for (i, (((w_row, c_row), v_row), p_row)) in rows.enumerate() {
+                    let out = (chunk * rows_per + i, c_row, v_row, p_row);
+                    gptq_row(w_row, out, (prep, u, spans), rule, cfg);
                 }
             });
         }
     });
     let dev = w.device();
     let codes = Tensor::from_vec(codes, (n, k), &Device::Cpu)?.to_device(dev)?;
+    let values = Tensor::from_vec(values, (n, k), &Device::Cpu)?.to_device(dev)?;
     let params = Tensor::from_vec(params, (n, spans.len(), np), &Device::Cpu)?.to_device(dev)?;
     Ok(GptqOutput {
-        quantized: Quantized { codes, params },
+        quantized: Quantized {
+            codes,
+            params,
+            values,
+        },
         damp,
     })
 }
 
-/// One row of [`gptq_ref`]: `w` its weights (original column order), `codes` and `p`
-/// (`[groups, P]`) written in the original order.
+/// One row of [`gptq_ref`]: `w` row `row`'s weights (original column order); its `codes`,
+/// `values` and `p` (`[groups, P]`) written in the original order.
 fn gptq_row(
     w: &[f32],
-    codes: &mut [u8],
-    p: &mut [f32],
+    (row, codes, values, p): (usize, &mut [u8], &mut [f32], &mut [f32]),
     (prep, u, spans): (&Order, &[f64], &[(usize, usize)]),
     rule: &dyn GroupRule,
     cfg: &GptqConfig,
@@ -472,7 +491,12 @@ fn gptq_row(
     let (gs, np) = (rule.group_size(), rule.params());
     if cfg.act_order {
         for (g, &(start, width)) in spans.iter().enumerate() {
-            rule.fit(g, &w[start..start + width], &mut p[g * np..(g + 1) * np]);
+            rule.fit(
+                row,
+                g,
+                &w[start..start + width],
+                &mut p[g * np..(g + 1) * np],
+            );
         }
     }
     // The row in processing order, updated as columns are quantized.
@@ -485,10 +509,11 @@ fn gptq_row(
             let g = col / gs;
             if !cfg.act_order && col == spans[g].0 {
                 let vals: Vec<f32> = x[i..i + spans[g].1].iter().map(|&v| v as f32).collect();
-                rule.fit(g, &vals, &mut p[g * np..(g + 1) * np]);
+                rule.fit(row, g, &vals, &mut p[g * np..(g + 1) * np]);
             }
-            let (c, q) = rule.quantize(col, &p[g * np..(g + 1) * np], x[i] as f32);
+            let (c, q) = rule.quantize(row, col, &p[g * np..(g + 1) * np], x[i] as f32);
             codes[col] = c;
+            values[col] = q;
             let e = (x[i] - q as f64) / u[i * k + i];
             err[i - i1] = e;
             for (xl, ul) in x[i + 1..i2].iter_mut().zip(&u[i * k + i + 1..i * k + i2]) {
@@ -551,6 +576,7 @@ pub fn gptq_tensor(
     }
     let x = wt.index_select(&perm_t, 0)?.contiguous()?;
     let codes = Tensor::zeros((k, n), DType::U8, &dev)?;
+    let values = Tensor::zeros((k, n), DType::F32, &dev)?;
     for i1 in (0..k).step_by(cfg.block) {
         let cnt = cfg.block.min(k - i1);
         let blk = x.narrow(0, i1, cnt)?.contiguous()?;
@@ -591,8 +617,9 @@ pub fn gptq_tensor(
             };
             let (c, q) = rule.quantize_t(col, &xi, pg)?;
             let d = u_diag[i1 + i];
-            err.slice_set(&((xi - q)? / d)?, 0, i)?;
+            err.slice_set(&((xi - &q)? / d)?, 0, i)?;
             codes.slice_set(&c, 0, i1 + i)?;
+            values.slice_set(&q, 0, i1 + i)?;
         }
         if i1 + cnt < k {
             let rest = x.narrow(0, i1 + cnt, k - i1 - cnt)?;
@@ -608,10 +635,9 @@ pub fn gptq_tensor(
     for (i, &c) in prep.perm.iter().enumerate() {
         inv[c] = i as u32;
     }
-    let codes = codes
-        .index_select(&Tensor::from_vec(inv, k, &dev)?, 0)?
-        .t()?
-        .contiguous()?;
+    let inv = Tensor::from_vec(inv, k, &dev)?;
+    let codes = codes.index_select(&inv, 0)?.t()?.contiguous()?;
+    let values = values.index_select(&inv, 0)?.t()?.contiguous()?;
     let params = params.into_iter().collect::<Option<Vec<_>>>();
     let Some(params) = params else {
         candle_core::bail!("gptq: a group was never fitted")
@@ -620,7 +646,11 @@ pub fn gptq_tensor(
         .permute((2, 0, 1))?
         .contiguous()?;
     Ok(GptqOutput {
-        quantized: Quantized { codes, params },
+        quantized: Quantized {
+            codes,
+            params,
+            values,
+        },
         damp,
     })
 }

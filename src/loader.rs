@@ -221,14 +221,17 @@ pub fn load(source: &ModelSource, opts: LoadOptions) -> Result<Loaded> {
         )
     }
     if format != stored {
-        let windows = match (&opts.calib, format.needs_calibration()) {
+        let windows = match (&opts.calib, format.uses_calibration()) {
             (_, false) => vec![],
             (Some(src), true) => {
                 let (w, info) = calibration_windows(src, &tokenizer)?;
                 calibration = Some(info);
                 w
             }
-            (None, true) => candle_core::bail!("{format} needs calibration text (--calib FILE)"),
+            (None, true) if format.needs_calibration() => {
+                candle_core::bail!("{format} needs calibration text (--calib FILE)")
+            }
+            (None, true) => vec![],
         };
         let calib_cfg = opts
             .calib

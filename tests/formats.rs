@@ -188,7 +188,12 @@ fn uniform_rtn_matches_scalar_reference() -> Result<()> {
             }
             // The rule's scalar form: fit + quantize give the same codes.
             let mut p = [0f32; 2];
-            rule.fit(0, &w.flatten_all()?.to_vec1::<f32>()?[..k.min(128)], &mut p);
+            rule.fit(
+                0,
+                0,
+                &w.flatten_all()?.to_vec1::<f32>()?[..k.min(128)],
+                &mut p,
+            );
             assert_eq!(&p[..], &params[..2]);
         }
     }
@@ -293,7 +298,7 @@ fn gptq_format_without_calibration_is_an_error() -> Result<()> {
 #[test]
 fn every_format_round_trips_its_tensors() -> Result<()> {
     let dev = Device::Cpu;
-    let (n, k) = (24, 512);
+    let (n, k) = (32, 512); // tiled formats take rows in blocks of 32
     let w = randn(3, &[n, k], 0.05, DType::F32, &dev)?;
     let x = randn(4, &[5, k], 1.0, DType::F32, &dev)?;
     let h = {

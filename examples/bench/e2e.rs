@@ -20,6 +20,7 @@ use crate::report::{Row, Status};
 use crate::util::{classify, gib, median, token_ids, Ctx, MemSampler};
 use anyhow::Result;
 use candle_core::{Tensor, D};
+use candle_lowbit::WeightFormat;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -27,6 +28,9 @@ use std::time::Instant;
 pub enum Section {
     E2e,
     Floor,
+    /// Llama-2-70B's shape in the formats that can draw their weights directly (no f16
+    /// copy of the model fits): batch-1 decode.
+    E2e70b,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -62,6 +66,7 @@ fn plan(section: Section, quick: bool) -> Plan {
     let (group, batch_ctx) = match section {
         Section::E2e => ("e2e", if quick { 16 } else { 128 }),
         Section::Floor => ("floor", if quick { 16 } else { 128 }),
+        Section::E2e70b => ("e2e70b", if quick { 16 } else { 128 }),
     };
     let mut metrics = vec![Metric::Load, Metric::Check];
     let (cfg, chunk) = match (section, quick) {
@@ -82,6 +87,21 @@ fn plan(section: Section, quick: bool) -> Plan {
                 batch,
             }));
             (tiny(2, 256), 16)
+        }
+        (Section::E2e70b, q) => {
+            metrics.pop(); // no stock logits to check against
+            metrics.push(Metric::Decode {
+                ctx: batch_ctx,
+                batch: 1,
+            });
+            (
+                if q {
+                    tiny(2, 256)
+                } else {
+                    crate::models::llama2_70b(1024)
+                },
+                128,
+            )
         }
         (Section::Floor, q) => {
             metrics.push(Metric::Decode {
@@ -165,7 +185,26 @@ pub fn run(ctx: &mut Ctx, section: Section) -> Result<()> {
     let p = plan(section, ctx.quick);
     let mut protos = Prototypes::new(&ctx.dev);
     let mut base = Baseline::default();
-    for spec in Spec::all() {
+    let specs = match section {
+        // The formats whose codec draws random weights directly; dense cannot fit.
+        Section::E2e70b => WeightFormat::timed()
+            .filter(|f| {
+                f.spec()
+                    .codec
+                    .random(
+                        *f,
+                        (32, 64),
+                        &Default::default(),
+                        0,
+                        &candle_core::Device::Cpu,
+                    )
+                    .is_some()
+            })
+            .map(|f| Spec::Ours(f, candle_lowbit::KvFormat::Dense))
+            .collect(),
+        _ => Spec::all(),
+    };
+    for spec in specs {
         let names: Vec<(Metric, String)> = p
             .metrics
             .iter()
@@ -188,15 +227,19 @@ pub fn run(ctx: &mut Ctx, section: Section) -> Result<()> {
         eprintln!("{}: building {}", p.group, spec.name());
         let t0 = Instant::now();
         // Stock llama's loader unwraps internally (a failed allocation panics): contain it.
-        let engine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Engine::build(spec, &p.cfg, ctx.dtype, &ctx.dev, &mut protos, 42)
-        }))
-        .unwrap_or_else(|_| {
-            Err(anyhow::anyhow!(
-                "building {} panicked (see stderr)",
-                spec.name()
-            ))
-        });
+        let engine =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (section, spec) {
+                (Section::E2e70b, Spec::Ours(w, kv)) => {
+                    Engine::build_direct(w, kv, &p.cfg, ctx.dtype, &ctx.dev, &mut protos)
+                }
+                _ => Engine::build(spec, &p.cfg, ctx.dtype, &ctx.dev, &mut protos, 42),
+            }))
+            .unwrap_or_else(|_| {
+                Err(anyhow::anyhow!(
+                    "building {} panicked (see stderr)",
+                    spec.name()
+                ))
+            });
         let build_s = t0.elapsed().as_secs_f64();
         match engine {
             Ok(mut e) => run_config(ctx, &p, spec, &mut e, build_s, &wanted, &mut base)?,

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_lowbit::graph::{GraphDecoder, Mode};
-use candle_lowbit::{Cache, Config, KvFormat, Llama, WeightFormat};
+use candle_lowbit::{Cache, Config, KvFormat, Llama, QLinear, WeightFormat};
 use candle_nn::VarBuilder;
 use candle_transformers::models::{llama as stock_llama, quantized_llama};
 use std::collections::HashMap;
@@ -21,6 +21,19 @@ pub fn llama2_7b(max_pos: usize) -> Config {
         num_attention_heads: 32,
         num_key_value_heads: 32,
         ..tiny(32, max_pos)
+    }
+}
+
+/// Llama-2-70B's shape (80 layers, 8192 wide, 64 heads of 128 over 8 KV heads, MLP 28672,
+/// vocab 32000).
+pub fn llama2_70b(max_pos: usize) -> Config {
+    Config {
+        hidden_size: 8192,
+        intermediate_size: 28672,
+        vocab_size: 32000,
+        num_attention_heads: 64,
+        num_key_value_heads: 8,
+        ..tiny(80, max_pos)
     }
 }
 
@@ -164,6 +177,37 @@ pub enum Engine {
 }
 
 impl Engine {
+    /// Our Llama of `cfg` in `w` without any dense weights (models too large for their f16
+    /// weights: the linear layers copies of prototypes drawn directly in `w`, the embedding
+    /// and norms random).
+    pub fn build_direct(
+        w: WeightFormat,
+        kv: KvFormat,
+        cfg: &Config,
+        dtype: DType,
+        dev: &Device,
+        protos: &mut Prototypes,
+    ) -> Result<Self> {
+        protos.direct = true;
+        let src = DirectSource {
+            protos: std::cell::RefCell::new(protos),
+            format: w,
+            dtype,
+            dev: dev.clone(),
+        };
+        let model = Llama::load_from(&src, cfg);
+        src.protos.into_inner().direct = false;
+        Ok(Self::Ours {
+            model: Box::new(model?),
+            cache: None,
+            decoder: None,
+            kv,
+            cfg: cfg.clone(),
+            dtype,
+            dev: dev.clone(),
+        })
+    }
+
     /// Build `spec` for `cfg` with random weights (seed `seed`) on `dev`.
     pub fn build(
         spec: Spec,
@@ -398,6 +442,48 @@ fn quantize_ours(
         *h = protos.copy(n, k, Llama::head_format(w), dtype)?;
     }
     Ok(())
+}
+
+/// Weights for [`Engine::build_direct`].
+struct DirectSource<'a> {
+    protos: std::cell::RefCell<&'a mut Prototypes>,
+    format: WeightFormat,
+    dtype: DType,
+    dev: Device,
+}
+
+impl candle_lowbit::llama::WeightSource for DirectSource<'_> {
+    fn tensor(&self, name: &str, dims: &[usize]) -> candle_core::Result<Tensor> {
+        let t = crate::util::randn(
+            dims,
+            if dims.len() == 1 { 0.1 } else { 1.0 },
+            DType::F32,
+            &self.dev,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+        let t = if dims.len() == 1 { (t + 1.0)? } else { t };
+        t.to_dtype(self.dtype)
+    }
+
+    fn linear(&self, parts: &[(String, usize)], in_dim: usize) -> candle_core::Result<QLinear> {
+        let rows = parts.iter().map(|(_, r)| r).sum();
+        self.protos
+            .borrow_mut()
+            .copy(rows, in_dim, self.format, self.dtype)
+            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+    }
+
+    fn lm_head(&self, cfg: &Config, _embed: &Tensor) -> candle_core::Result<QLinear> {
+        self.protos
+            .borrow_mut()
+            .copy(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                Llama::head_format(self.format),
+                self.dtype,
+            )
+            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+    }
 }
 
 /// The row-name spelling of a GGML dtype (`q4k`, `q4_0`), as `WeightFormat` names it.

@@ -26,6 +26,9 @@ pub struct Prototypes {
     dev: Device,
     dense: HashMap<(usize, usize), Tensor>,
     layers: HashMap<(usize, usize, WeightFormat), QLinear>,
+    /// Draw prototypes directly in their format (random codes and scales, where the format
+    /// offers it: models too large to quantize here) instead of quantizing a dense one.
+    pub direct: bool,
 }
 
 impl Prototypes {
@@ -34,6 +37,7 @@ impl Prototypes {
             dev: dev.clone(),
             dense: HashMap::new(),
             layers: HashMap::new(),
+            direct: false,
         }
     }
 
@@ -66,10 +70,22 @@ impl Prototypes {
             return Ok(l.clone());
         }
         let t0 = std::time::Instant::now();
-        let dense = QLinear::from_weight(self.dense(n, k, dtype)?, None)?;
-        let l = dense
-            .quantize(format)
-            .with_context(|| format!("quantizing [{n}, {k}] to {format}"))?;
+        let opts = candle_lowbit::formats::QuantOptions::default();
+        let drawn = match self.direct {
+            true => {
+                format
+                    .spec()
+                    .codec
+                    .random(format, (n, k), &opts, (n * 31 + k) as u64, &self.dev)
+            }
+            false => None,
+        };
+        let l = match drawn {
+            Some(w) => QLinear::new(w?, None),
+            None => QLinear::from_weight(self.dense(n, k, dtype)?, None)?
+                .quantize(format)
+                .with_context(|| format!("quantizing [{n}, {k}] to {format}"))?,
+        };
         if format != WeightFormat::Dense {
             self.dev.synchronize()?;
             eprintln!(

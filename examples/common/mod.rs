@@ -105,6 +105,14 @@ pub struct CalibArgs {
     /// GPTQ fits each group's range by a least-squared-error search (else min/max).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub gptq_clip: bool,
+
+    /// w2416: bits per weight, every byte counted (sets the share of 4-bit tiles).
+    #[arg(long, default_value_t = candle_lowbit::formats::w2416::DEFAULT_BITS)]
+    pub bits: f64,
+
+    /// w2416: fraction of the weights kept as sparse f16 outliers (0 for none).
+    #[arg(long, default_value_t = candle_lowbit::formats::w2416::DEFAULT_OUTLIERS)]
+    pub outliers: f64,
 }
 
 impl CalibArgs {
@@ -115,6 +123,10 @@ impl CalibArgs {
                 block: self.gptq_block,
                 act_order: self.gptq_act_order,
                 clip: self.gptq_clip,
+            },
+            w2416: candle_lowbit::formats::w2416::W2416Config {
+                bits: self.bits,
+                outliers: self.outliers,
             },
         }
     }
@@ -157,7 +169,7 @@ impl CalibArgs {
     /// The quantizer settings a checkpoint records.
     pub fn settings_json(&self, format: WeightFormat) -> serde_json::Value {
         let mut j = serde_json::json!({ "format": format.name() });
-        if format.needs_calibration() {
+        if format.uses_calibration() && self.source().is_some() {
             j["gptq"] = serde_json::json!({
                 "damp": self.gptq_damp,
                 "block": self.gptq_block,
@@ -171,6 +183,9 @@ impl CalibArgs {
                 "seed": self.calib_seed,
                 "sequential": true,
             });
+        }
+        if matches!(format, WeightFormat::W2416 | WeightFormat::W2416Gptq) {
+            j["w2416"] = serde_json::json!({ "bits": self.bits, "outliers": self.outliers });
         }
         j
     }
@@ -216,12 +231,16 @@ pub fn device_name(device: &Device) -> &'static str {
 
 /// `--list-formats`: every format, one line each.
 pub fn print_formats() {
-    println!("{:<10} {:<7} {:<11} what", "format", "bound", "calibration");
+    println!("{:<11} {:<7} {:<11} what", "format", "bound", "calibration");
     for f in WeightFormat::ALL {
         let s = f.spec();
-        let cal = if f.needs_calibration() { "yes" } else { "no" };
+        let cal = match s.calibration {
+            candle_lowbit::formats::Calibration::Hessian => "yes",
+            candle_lowbit::formats::Calibration::Diagonal => "optional",
+            candle_lowbit::formats::Calibration::None => "no",
+        };
         println!(
-            "{:<10} {:<7} {:<11} {}",
+            "{:<11} {:<7} {:<11} {}",
             s.name, s.error_bound, cal, s.about
         );
     }

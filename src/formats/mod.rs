@@ -25,6 +25,7 @@
 pub mod dense;
 pub mod ggml;
 pub mod uniform;
+pub mod w2416;
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -33,6 +34,9 @@ use candle_core::{DType, Device, Result, Tensor};
 pub enum Calibration {
     /// Quantized from the weights alone.
     None,
+    /// Uses the Hessian's diagonal where calibration ran (to rank groups and outliers), and
+    /// quantizes without it otherwise (every input channel then weighs the same).
+    Diagonal,
     /// GPTQ: needs each linear layer's input Hessian `XᵀX` (see [`crate::calib`]).
     Hessian,
 }
@@ -76,6 +80,8 @@ impl std::fmt::Debug for FormatSpec {
 pub struct QuantOptions {
     /// GPTQ settings (formats with [`Calibration::Hessian`]).
     pub gptq: crate::gptq::GptqConfig,
+    /// `w2416`'s budget and outlier fraction.
+    pub w2416: w2416::W2416Config,
 }
 
 /// How a format turns weights into its encoding and back.
@@ -99,6 +105,20 @@ pub trait Codec: Sync {
         shape: (usize, usize),
         tensors: &std::collections::HashMap<String, Tensor>,
     ) -> Result<Box<dyn LinearWeights>>;
+
+    /// Random packed weights of `shape` drawn on `dev` (codes, scales, outliers: speed
+    /// measurements of models too large to quantize), where the format offers it.
+    fn random(
+        &self,
+        format: WeightFormat,
+        shape: (usize, usize),
+        opts: &QuantOptions,
+        seed: u64,
+        dev: &Device,
+    ) -> Option<Result<Box<dyn LinearWeights>>> {
+        let _ = (format, shape, opts, seed, dev);
+        None
+    }
 }
 
 /// A fused path a format may offer at decode sizes.
@@ -253,6 +273,9 @@ registry! {
     Int3Gptq => uniform::INT3_GPTQ,
     Int2 => uniform::INT2,
     Int2Gptq => uniform::INT2_GPTQ,
+    /// 2/4-bit tiles with sparse f16 outliers (arXiv 2311.16442).
+    W2416 => w2416::W2416,
+    W2416Gptq => w2416::W2416_GPTQ,
 }
 
 impl WeightFormat {
@@ -274,7 +297,13 @@ impl WeightFormat {
             .filter(|f| f.spec().stores_as.is_none())
     }
 
+    /// Quantizing needs calibration statistics (GPTQ).
     pub fn needs_calibration(&self) -> bool {
+        self.spec().calibration == Calibration::Hessian
+    }
+
+    /// Quantizing reads calibration statistics where they are given.
+    pub fn uses_calibration(&self) -> bool {
         self.spec().calibration != Calibration::None
     }
 }

@@ -268,7 +268,7 @@ impl GroupRule for UniformRule {
         2
     }
 
-    fn fit(&self, _group: usize, w: &[f32], p: &mut [f32]) {
+    fn fit(&self, _row: usize, _group: usize, w: &[f32], p: &mut [f32]) {
         let mn = w.iter().copied().fold(f32::INFINITY, f32::min);
         let mx = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let (mut s, mut z) = self.scale_zero(mn, mx);
@@ -279,7 +279,7 @@ impl GroupRule for UniformRule {
                 let (si, zi) = self.scale_zero(mn * f, mx * f);
                 let err: f32 = w
                     .iter()
-                    .map(|&x| (x - self.quantize(0, &[si, zi], x).1).powi(2))
+                    .map(|&x| (x - self.quantize(0, 0, &[si, zi], x).1).powi(2))
                     .sum();
                 if err < best {
                     (best, s, z) = (err, si, zi);
@@ -290,7 +290,7 @@ impl GroupRule for UniformRule {
         p[1] = z;
     }
 
-    fn quantize(&self, _col: usize, p: &[f32], x: f32) -> (u8, f32) {
+    fn quantize(&self, _row: usize, _col: usize, p: &[f32], x: f32) -> (u8, f32) {
         let q = ((x - p[1]) / p[0]).round().clamp(0.0, self.maxq());
         (q as u8, q * p[0] + p[1])
     }
@@ -341,6 +341,9 @@ pub struct UniformWeights {
     scales: Tensor,
     /// f16 `[n, groups(k)]`.
     zeros: Tensor,
+    /// The same weight in the tile layout of `w2416`'s kernels (built at load on the GPU for
+    /// `int4` and `int2` where the shape tiles), which then run every forward.
+    tiles: Option<super::w2416::Tiles>,
 }
 
 impl UniformWeights {
@@ -374,7 +377,8 @@ impl UniformWeights {
         Self::new(format, bits, (n, k), qweight, scales, zeros)
     }
 
-    fn new(
+    /// From stored tensors (the layout in the module docs), checked.
+    pub fn new(
         format: WeightFormat,
         bits: u32,
         (n, k): (usize, usize),
@@ -390,14 +394,69 @@ impl UniformWeights {
         )?;
         super::expect(&scales, "scales", &[n, groups(k)], DType::F16)?;
         super::expect(&zeros, "zeros", &[n, groups(k)], DType::F16)?;
-        Ok(Self {
+        let mut w = Self {
             format,
             bits,
             shape: (n, k),
             qweight,
             scales,
             zeros,
-        })
+            tiles: None,
+        };
+        if w.qweight.device().is_cuda() && w.tileable() {
+            w.tiles = Some(w.to_tiles()?);
+        }
+        Ok(w)
+    }
+
+    /// Whether the tile kernels take this weight: 4 or 2 bits, rows a multiple of 32,
+    /// columns of 64.
+    pub fn tileable(&self) -> bool {
+        matches!(self.bits, 2 | 4) && super::w2416::tileable(self.shape.0, self.shape.1)
+    }
+
+    /// The codes u8 `[n, k]`, unpacked in tensor ops on the weight's device (2 or 4 bits).
+    pub fn codes(&self) -> Result<Tensor> {
+        let (n, k) = self.shape;
+        if !matches!(self.bits, 2 | 4) {
+            candle_core::bail!(
+                "{}: codes of {} bits are not unpacked here",
+                self.format,
+                self.bits
+            )
+        }
+        let per = 32 / self.bits as usize;
+        let dev = self.qweight.device();
+        let pow: Vec<u32> = (0..per).map(|j| 1u32 << (self.bits as usize * j)).collect();
+        let pow = Tensor::from_vec(pow, (1, 1, per), dev)?;
+        let q = self.qweight.unsqueeze(2)?.broadcast_div(&pow)?;
+        // q mod 2^bits (candle's affine on u32 takes integer factors only).
+        let base = Tensor::new(&[1u32 << self.bits], dev)?.reshape((1, 1, 1))?;
+        let hi = q.broadcast_div(&base)?;
+        let c = (q - hi.affine(f64::from(1u32 << self.bits), 0.0)?)?;
+        c.reshape((n, words_per_row(k, self.bits) * per))?
+            .narrow(1, 0, k)?
+            .to_dtype(DType::U8)
+    }
+
+    /// This weight in the tile layout (see [`super::w2416`]): all tiles one precision, the
+    /// f16 scales and zeros per group of 128.
+    pub fn to_tiles(&self) -> Result<super::w2416::Tiles> {
+        use super::w2416::{pack_codes, plain_scales, tile_cols, Tiles, TILE_ROWS};
+        let (n, k) = self.shape;
+        if !self.tileable() {
+            candle_core::bail!("{}: a [{n}, {k}] weight does not tile", self.format)
+        }
+        let four = vec![self.bits == 4; (n / TILE_ROWS) * tile_cols(k)];
+        let mut codes = self.codes()?;
+        let kp = tile_cols(k) * super::w2416::TILE_COLS;
+        if kp > k {
+            let pad = Tensor::zeros((n, kp - k), DType::U8, codes.device())?;
+            codes = Tensor::cat(&[&codes, &pad], 1)?;
+        }
+        let codes = pack_codes(&codes, &four)?;
+        let scales = plain_scales(&self.scales, &self.zeros, GROUP)?;
+        Tiles::new((n, k), codes, &four, scales, None)
     }
 
     pub fn bits(&self) -> u32 {
@@ -427,6 +486,9 @@ impl LinearWeights for UniformWeights {
     }
 
     fn bytes(&self) -> usize {
+        if let Some(t) = &self.tiles {
+            return t.bytes();
+        }
         let (n, k) = self.shape;
         n * (words_per_row(k, self.bits) * 4 + groups(k) * 4)
     }
@@ -440,6 +502,9 @@ impl LinearWeights for UniformWeights {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(t) = &self.tiles {
+            return crate::ops::tiles_forward(t, x);
+        }
         match x.dtype() {
             DType::F32 | DType::F16 | DType::BF16 => x.matmul(&self.dequantize_to(x.dtype())?.t()?),
             dt => candle_core::bail!(
@@ -449,7 +514,14 @@ impl LinearWeights for UniformWeights {
         }
     }
 
+    fn forward_fused(&self, e: super::Epilogue, x: &Tensor) -> Option<Result<Tensor>> {
+        crate::ops::tiles_fused(self.tiles.as_ref()?, e, x)
+    }
+
     fn plan(&self) -> Plan {
+        if let Some(t) = &self.tiles {
+            return crate::ops::tiles_plan(t, self.format);
+        }
         let none =
             || Err("the reference path (dequantize + matmul) has no fused epilogue".to_string());
         Plan {
@@ -519,5 +591,48 @@ impl Codec for UniformCodec {
             get("scales")?,
             get("zeros")?,
         )?))
+    }
+
+    fn random(
+        &self,
+        format: WeightFormat,
+        (n, k): (usize, usize),
+        _opts: &QuantOptions,
+        seed: u64,
+        dev: &Device,
+    ) -> Option<Result<Box<dyn LinearWeights>>> {
+        let build = || -> Result<Box<dyn LinearWeights>> {
+            if dev.is_cuda() {
+                dev.set_seed(seed)?;
+            }
+            let (w, g) = (words_per_row(k, self.bits), groups(k));
+            let half = || Tensor::rand(0f32, 65535.99f32, (n, w), dev)?.to_dtype(DType::U32);
+            let mut q = ((half()? * 65536.0)? + half()?)?;
+            if !(k * self.bits as usize).is_multiple_of(32) {
+                // Zero the padding bits of each row's last word (the layout asks for it).
+                let keep = (k * self.bits as usize) % 32;
+                let last = q.narrow(1, w - 1, 1)?;
+                let base = Tensor::new(&[1u32 << keep], dev)?.reshape((1, 1))?;
+                let low = (&last
+                    - last
+                        .broadcast_div(&base)?
+                        .affine(f64::from(1u32 << keep), 0.0)?)?;
+                q = Tensor::cat(&[q.narrow(1, 0, w - 1)?, low], 1)?;
+            }
+            let step = 1.0 / ((k as f64).sqrt() * f64::from((1u32 << self.bits) - 1));
+            let scales =
+                (Tensor::rand(0.5f32, 1.5f32, (n, g), dev)? * step)?.to_dtype(DType::F16)?;
+            let zeros = (scales.to_dtype(DType::F32)? * (-f64::from(1u32 << (self.bits - 1))))?
+                .to_dtype(DType::F16)?;
+            Ok(Box::new(UniformWeights::new(
+                format,
+                self.bits,
+                (n, k),
+                q,
+                scales,
+                zeros,
+            )?))
+        };
+        Some(build())
     }
 }

@@ -5,6 +5,7 @@ pub mod decode;
 mod gemv;
 mod rms_norm;
 mod stream_read;
+mod tiles;
 mod uniform;
 
 pub use decode::{
@@ -14,6 +15,7 @@ pub use decode::{
 pub use gemv::{gemv, gemv_ok, gemv_silu_mul, gemv_weight_ok, Gemv, GEMV_MAX_M};
 pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
+pub use tiles::{tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_MAX_M};
 pub use uniform::{uniform_dequantize, uniform_pack};
 
 /// The elements of a contiguous CPU tensor (the CPU references' input), or an error naming

@@ -1,0 +1,439 @@
+// Tiled low-bit weights (src/formats/w2416.rs): the w2416 format (2-bit groups, 4-bit tiles,
+// sparse f16 outliers, two-level scales) and the uniform int4 / int2 formats converted to
+// the same tiles. A matmul for m <= 16 activation rows on f16 tensor cores with the
+// dequantization in registers, and a dequantize kernel (for larger m: dequantize + cuBLAS).
+//
+// Layout (row-major; R = n / 32 row blocks, G = ceil(k / 64) tile columns (k even; a last
+// partial tile holds zero weights past k, whose activations the kernel reads as 0), H = 4-bit tiles per
+// block, S = ceil(G / 16), E = outliers per block):
+//
+//   codes   u32 [R][128 (G + H)]  per block, its tiles in column order; tile (b, g) starts at
+//                                  word desc[b][g] & 0x7fffffff, 4-bit when bit 31 is set.
+//   desc    u32 [R][G]
+//   scales  two-level: u8  [R][G][lg 8][nb 4][sc, zc]      (64 bytes per tile)
+//           plain:     f16 [R][SG][lg 8][nb 4][scale, zero] (SG = ceil(k / group))
+//   supers  f16 [R][S][lg 8][nb 4]                          (two-level only)
+//   entries u32 [R][E]  col | f16 bits(delta) << 16, sorted by row; row_end u32 [n]: one past
+//                       the row's last entry in its block's list (row 0 of a block starts at 0)
+//
+// One tile = 32 rows x 64 columns, decoded by one warp. Lane l (lg = l / 4, t = l % 4) holds
+// rows lg + 8 nb (nb 0..3) at columns 16 kc + 2 t + 8 hb + e (kc 0..3, hb, e 0..1): exactly
+// the B fragments (b0 b1 | b2 b3) of 16 mma.m16n8k16 (n-block nb, k-chunk kc):
+//
+//   2-bit tile (512 B):  lane l reads uint4 #l          word nb: (kc, hb, e) at bit 2 (2 kc + hb) + 16 e
+//   4-bit tile (1024 B): lane l reads uint4 #l and #32+l: word 2 nb + kc / 2 of those 8 words,
+//                                                        (kc, hb, e) at bit 4 (2 (kc % 2) + hb) + 16 e
+//
+//   One tile, which lanes hold what (each cell: the 4 lanes 4 lg .. 4 lg + 3; lane t of them
+//   holds columns 2t, 2t+1, 2t+8, 2t+9 of each 16-column chunk kc):
+//
+//              columns:  0..15 (kc 0)  16..31 (kc 1)  32..47 (kc 2)  48..63 (kc 3)
+//     row  0 + lg         lanes 4lg..   (n-block 0: word 0 of a 2-bit lane; words 0-1 of a 4-bit lane)
+//     row  8 + lg         lanes 4lg..   (n-block 1: word 1;                 words 2-3)
+//     row 16 + lg         lanes 4lg..   (n-block 2: word 2;                 words 4-5)
+//     row 24 + lg         lanes 4lg..   (n-block 3: word 3;                 words 6-7)
+//
+// A pair of codes 16 bits apart becomes an f16x2 by one shift and one and/or
+// (0x6400 | q = 1024 + q), one HSUB2 (exact) and one HFMA2 with the group's (scale, zero):
+// w = f16(q * scale + zero), rounded once. Two-level scales: scale = f16(sc * ds * (1/maxq)),
+// zero = f16(zc * scale / 8), in f32 without fused multiply-adds (the CPU reference's order).
+//
+// Work split (tiles_mm): a block of 8 warps owns two row blocks (plain: 2p and 2p + 1; SiLU·mul:
+// gate block p and up block p + R/2); warp w of cluster rank c takes tile columns
+// c * 8 + w, + 8 * KS, ...; every warp decodes both row blocks' tiles of its column, so 2-4
+// 16-byte loads per lane are in flight, and the next column's codes, scales and activations
+// are loaded before the current column is dequantized and multiplied (the asynchronous
+// dequantization of the paper, in registers). KS blocks (a thread-block cluster along x, KS
+// in 1, 2, 4, 8, chosen by the host to fill the GPU) split the columns; block rank 0 sums the
+// others' partial results from their shared memory, adds the outliers (lane = row, reading x
+// from L1) and writes y. Deterministic: fixed summation order.
+//
+//   x  f16 [m, k], m <= 16 (MM = 8: m <= 8, fragment rows 8..15 never loaded)
+//   y  EPI 0: f16 [m, n]; EPI 1: f32 [m, n]; EPI 2: f16 [m, n / 2] = silu(gate) * up, rounded
+//      as the unfused pair (gate and up to f16, silu(gate) to f16, the product to f16).
+// Weights are read before pdl_wait (no kernel writes them); activations after.
+#include "common.cuh"
+
+using namespace lowbit;
+
+#define TILES_NW 8
+
+__device__ __forceinline__ uint4 ld_stream4(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+// Codes at bits (0, 16) of `bits` (already shifted and masked) -> f16x2 of q * s + z.
+__device__ __forceinline__ uint32_t deq2(uint32_t bits, __half2 s, __half2 z) {
+    uint32_t h = bits | 0x64006400u;
+    __half2 v = __hsub2(*reinterpret_cast<__half2*>(&h), __half2half2(__ushort_as_half(0x6400)));
+    return h2_bits(__hfma2(v, s, z));
+}
+
+// One tile's data for one lane.
+struct TileFrag {
+    uint4 c0, c1;  // codes (c1: 4-bit tiles only)
+    uint4 s;       // two-level: x, y = 8 bytes [nb][sc, zc]; z, w = 4 f16 super scales [nb].
+                   // plain: 4 x (f16 scale, f16 zero) [nb].
+    bool four;
+};
+
+struct TileSrc {
+    const uint32_t* codes;    // block's stream
+    const uint32_t* desc;     // block's descriptors
+    const uint8_t* sc;        // two-level: block's scale codes
+    const __half* sup;        // two-level: block's super scales
+    const __half* plain;      // plain: block's (scale, zero)
+    int group;                // plain scale group (columns)
+};
+
+template <bool TWO>
+__device__ __forceinline__ void load_tile(TileFrag& f, const TileSrc& src, int g, int lane) {
+    const uint32_t d = __ldg(src.desc + g);
+    f.four = (d >> 31) != 0;
+    const uint4* t = reinterpret_cast<const uint4*>(src.codes + (d & 0x7fffffffu));
+    f.c0 = ld_stream4(t + lane);
+    f.c1 = f.four ? ld_stream4(t + 32 + lane) : make_uint4(0, 0, 0, 0);
+    const int lg = lane >> 2;
+    if (TWO) {
+        const uint2 a = __ldg(reinterpret_cast<const uint2*>(src.sc + (size_t)g * 64 + lg * 8));
+        const uint2 b = __ldg(reinterpret_cast<const uint2*>(src.sup + (size_t)(g / 16) * 32 + lg * 4));
+        f.s = make_uint4(a.x, a.y, b.x, b.y);
+    } else {
+        const int sg = g * 64 / src.group;
+        f.s = __ldg(reinterpret_cast<const uint4*>(src.plain + (size_t)sg * 64 + lg * 8));
+    }
+}
+
+// (scale, zero) of n-block nb as f16x2 pairs.
+template <bool TWO>
+__device__ __forceinline__ void tile_scales(const TileFrag& f, int nb, __half2& s2, __half2& z2) {
+    if (TWO) {
+        const uint32_t scw = nb < 2 ? f.s.x : f.s.y;
+        const uint32_t sc = (scw >> (16 * (nb & 1))) & 0xffu;
+        const int zc = (int)(int8_t)((scw >> (16 * (nb & 1) + 8)) & 0xffu);
+        const uint32_t dsw = nb < 2 ? f.s.z : f.s.w;
+        const __half ds = __ushort_as_half((unsigned short)((dsw >> (16 * (nb & 1))) & 0xffffu));
+        const float inv = f.four ? (1.0f / 15.0f) : (1.0f / 3.0f);
+        const __half s = __float2half_rn(__fmul_rn(__fmul_rn((float)sc, __half2float(ds)), inv));
+        const __half z = __float2half_rn(__fmul_rn(__fmul_rn((float)zc, __half2float(s)), 0.125f));
+        s2 = __half2half2(s);
+        z2 = __half2half2(z);
+    } else {
+        const uint32_t w = nb == 0 ? f.s.x : nb == 1 ? f.s.y : nb == 2 ? f.s.z : f.s.w;
+        s2 = __half2half2(__ushort_as_half((unsigned short)(w & 0xffffu)));
+        z2 = __half2half2(__ushort_as_half((unsigned short)(w >> 16)));
+    }
+}
+
+// The B fragment (b0 | b1) of n-block nb, k-chunk kc, hb selecting b0 (0) or b1 (1).
+template <bool FOUR>
+__device__ __forceinline__ uint32_t tile_b(const TileFrag& f, int nb, int kc, int hb, __half2 s2, __half2 z2) {
+    if (FOUR) {
+        const int wi = 2 * nb + kc / 2;
+        const uint32_t words[8] = {f.c0.x, f.c0.y, f.c0.z, f.c0.w, f.c1.x, f.c1.y, f.c1.z, f.c1.w};
+        const int p = 2 * (kc & 1) + hb;
+        return deq2((words[wi] >> (4 * p)) & 0x000f000fu, s2, z2);
+    }
+    const uint32_t words[4] = {f.c0.x, f.c0.y, f.c0.z, f.c0.w};
+    const int p = 2 * kc + hb;
+    return deq2((words[nb] >> (2 * p)) & 0x00030003u, s2, z2);
+}
+
+template <int MM>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4][4], const __half* __restrict__ x, int m, int k, int g,
+                                       int lane) {
+    const int gid = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+        const int col = g * 64 + kc * 16 + 2 * t;
+        const bool r0 = gid < m, r1 = MM > 8 && gid + 8 < m;
+        const uint32_t* p0 = reinterpret_cast<const uint32_t*>(x + (size_t)gid * k + col);
+        const uint32_t* p1 = reinterpret_cast<const uint32_t*>(x + (size_t)(gid + 8) * k + col);
+        // Columns past k (the zero weights of a last, partial tile) read as 0.
+        const bool c0 = col < k, c1 = col + 8 < k;
+        a[kc][0] = r0 && c0 ? __ldg(p0) : 0u;
+        a[kc][1] = r1 && c0 ? __ldg(p1) : 0u;
+        a[kc][2] = r0 && c1 ? __ldg(p0 + 4) : 0u;
+        a[kc][3] = r1 && c1 ? __ldg(p1 + 4) : 0u;
+    }
+}
+
+template <bool TWO, bool FOUR>
+__device__ __forceinline__ void tile_mma_w(const TileFrag& f, const uint32_t (&a)[4][4], float (&acc)[4][4]) {
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+        __half2 s2, z2;
+        tile_scales<TWO>(f, nb, s2, z2);
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            const uint32_t b0 = tile_b<FOUR>(f, nb, kc, 0, s2, z2), b1 = tile_b<FOUR>(f, nb, kc, 1, s2, z2);
+            mma16816(acc[nb], a[kc], b0, b1);
+        }
+    }
+}
+
+// The tile's precision is the same for the whole warp: one branch per tile.
+template <bool TWO>
+__device__ __forceinline__ void tile_mma(const TileFrag& f, const uint32_t (&a)[4][4], float (&acc)[4][4]) {
+    if (f.four) tile_mma_w<TWO, true>(f, a, acc);
+    else tile_mma_w<TWO, false>(f, a, acc);
+}
+
+__device__ __forceinline__ TileSrc tile_src(const uint32_t* codes, const uint32_t* desc, const uint8_t* sc,
+                                            const __half* sup, const __half* plain, int group, int rb, int G,
+                                            int H, int k) {
+    TileSrc s;
+    s.codes = codes + (size_t)rb * 128 * (G + H);
+    s.desc = desc + (size_t)rb * G;
+    const int S = (G + 15) / 16, SG = (k + group - 1) / group;
+    s.sc = sc ? sc + (size_t)rb * G * 64 : nullptr;
+    s.sup = sup ? sup + (size_t)rb * S * 32 : nullptr;
+    s.plain = plain ? plain + (size_t)rb * SG * 64 : nullptr;
+    s.group = group;
+    return s;
+}
+
+template <bool TWO, int EPI, int MM>
+__device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restrict__ codes,
+                         const uint32_t* __restrict__ desc, const uint8_t* __restrict__ sc,
+                         const __half* __restrict__ sup, const __half* __restrict__ plain,
+                         const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end, void* y_out,
+                         int m, int n, int k, int H, int E, int group, int ks) {
+    pdl_trigger();
+    __shared__ float red[TILES_NW][2 * 16 * 32];
+    __shared__ float fin[2 * 16 * 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int G = (k + 63) / 64, R = n / 32;
+    const int rank = blockIdx.x % ks, pair = blockIdx.x / ks;
+    int rbs[2];
+    if (EPI == 2) {
+        rbs[0] = pair;
+        rbs[1] = pair + R / 2;
+    } else {
+        rbs[0] = 2 * pair;
+        rbs[1] = 2 * pair + 1;
+    }
+    const bool valid1 = rbs[1] < R;
+    TileSrc src[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+        src[b] = tile_src(codes, desc, sc, sup, plain, group, b == 1 && !valid1 ? rbs[0] : rbs[b], G, H, k);
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[b][nb][i] = 0.f;
+
+    const int stride = TILES_NW * ks;
+    int g = rank * TILES_NW + warp;
+    TileFrag cur[2], nxt[2];
+    uint32_t a_cur[4][4], a_nxt[4][4];
+    if (g < G) {
+        load_tile<TWO>(cur[0], src[0], g, lane);
+        if (valid1) load_tile<TWO>(cur[1], src[1], g, lane);
+    }
+    pdl_wait();
+    if (g < G) load_a<MM>(a_cur, x, m, k, g, lane);
+    for (; g < G; g += stride) {
+        const int gn = g + stride;
+        if (gn < G) {
+            load_tile<TWO>(nxt[0], src[0], gn, lane);
+            if (valid1) load_tile<TWO>(nxt[1], src[1], gn, lane);
+            load_a<MM>(a_nxt, x, m, k, gn, lane);
+        }
+        tile_mma<TWO>(cur[0], a_cur, acc[0]);
+        if (valid1) tile_mma<TWO>(cur[1], a_cur, acc[1]);
+        if (gn < G) {
+            cur[0] = nxt[0];
+            cur[1] = nxt[1];
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a_cur[kc][i] = a_nxt[kc][i];
+        }
+    }
+
+    // Partial sums: red[warp][b][row m][weight row r].
+    const int gid = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int mi = gid + 8 * (i >> 1), r = nb * 8 + 2 * t + (i & 1);
+                red[warp][(b * 16 + mi) * 32 + r] = acc[b][nb][i];
+            }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 2 * 16 * 32; idx += blockDim.x) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < TILES_NW; ++w) s += red[w][idx];
+        red[0][idx] = s;
+    }
+    if (ks > 1) cluster_sync();
+    else __syncthreads();
+    if (rank == 0) {
+        for (int idx = threadIdx.x; idx < 2 * 16 * 32; idx += blockDim.x) {
+            float s = red[0][idx];
+            for (int r = 1; r < ks; ++r) s += ld_cluster(&red[0][idx], (uint32_t)r);
+            fin[idx] = s;
+        }
+    }
+    if (ks > 1) cluster_sync();
+    if (rank != 0) return;
+    __syncthreads();
+    // Outliers: warp b, lane = row of block rbs[b].
+    if (E > 0 && warp < 2 && (warp == 0 || valid1)) {
+        const int rb = rbs[warp], row = rb * 32 + lane;
+        const int start = lane == 0 ? 0 : (int)__ldg(row_end + row - 1);
+        const int end = (int)__ldg(row_end + row);
+        const uint32_t* ent = entries + (size_t)rb * E;
+        float part[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) part[i] = 0.f;
+        for (int e = start; e < end; ++e) {
+            const uint32_t v = __ldg(ent + e);
+            const int col = (int)(v & 0xffffu);
+            const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+#pragma unroll
+            for (int i = 0; i < MM; ++i)
+                if (i < m) part[i] += dlt * __half2float(x[(size_t)i * k + col]);
+        }
+#pragma unroll
+        for (int i = 0; i < MM; ++i)
+            if (i < m) fin[(warp * 16 + i) * 32 + lane] += part[i];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 16 * 32 * 2; idx += blockDim.x) {
+        const int b = idx / (16 * 32), i = (idx / 32) % 16, r = idx % 32;
+        if (i >= m) continue;
+        if (EPI == 2) {
+            if (b != 0) continue;
+            const float gt = __half2float(__float2half_rn(fin[i * 32 + r]));
+            const float up = __half2float(__float2half_rn(fin[(16 + i) * 32 + r]));
+            const float sg = __half2float(__float2half_rn(gt / (1.f + __expf(-gt))));
+            reinterpret_cast<__half*>(y_out)[(size_t)i * (n / 2) + rbs[0] * 32 + r] = __float2half_rn(sg * up);
+        } else {
+            if (b == 1 && !valid1) continue;
+            const size_t o = (size_t)i * n + rbs[b] * 32 + r;
+            const float v = fin[idx];
+            if (EPI == 1) reinterpret_cast<float*>(y_out)[o] = v;
+            else reinterpret_cast<__half*>(y_out)[o] = __float2half_rn(v);
+        }
+    }
+}
+
+#define TILES_MM(NAME, TWO, EPI, MM)                                                                          \
+    extern "C" __global__ void __launch_bounds__(TILES_NW * 32)                                               \
+        NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
+             const __half* plain, const uint32_t* entries, const uint32_t* row_end, void* y, int m, int n, int k, \
+             int H, int E, int group, int ks) {                                                               \
+        tiles_mm<TWO, EPI, MM>(x, codes, desc, sc, sup, plain, entries, row_end, y, m, n, k, H, E, group, ks); \
+    }
+
+TILES_MM(tiles_mm_two_f16_m8, true, 0, 8)
+TILES_MM(tiles_mm_two_f16_m16, true, 0, 16)
+TILES_MM(tiles_mm_two_f32_m8, true, 1, 8)
+TILES_MM(tiles_mm_two_f32_m16, true, 1, 16)
+TILES_MM(tiles_mm_two_silu_m8, true, 2, 8)
+TILES_MM(tiles_mm_two_silu_m16, true, 2, 16)
+TILES_MM(tiles_mm_plain_f16_m8, false, 0, 8)
+TILES_MM(tiles_mm_plain_f16_m16, false, 0, 16)
+TILES_MM(tiles_mm_plain_f32_m8, false, 1, 8)
+TILES_MM(tiles_mm_plain_f32_m16, false, 1, 16)
+TILES_MM(tiles_mm_plain_silu_m8, false, 2, 8)
+TILES_MM(tiles_mm_plain_silu_m16, false, 2, 16)
+
+// Dequantize: one warp per tile, w [n, k] T = f16(q * scale + zero) (outliers not added).
+template <bool TWO, typename T>
+__device__ void tiles_dequantize(const uint32_t* __restrict__ codes, const uint32_t* __restrict__ desc,
+                                 const uint8_t* __restrict__ sc, const __half* __restrict__ sup,
+                                 const __half* __restrict__ plain, T* __restrict__ w, int n, int k, int H,
+                                 int group) {
+    pdl_trigger();
+    pdl_wait();
+    const int lane = threadIdx.x & 31;
+    const int G = (k + 63) / 64, R = n / 32;
+    const long long tile = (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (tile >= (long long)R * G) return;
+    const int rb = (int)(tile / G), g = (int)(tile % G);
+    const TileSrc src = tile_src(codes, desc, sc, sup, plain, group, rb, G, H, k);
+    TileFrag f;
+    load_tile<TWO>(f, src, g, lane);
+    const int lg = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+        __half2 s2, z2;
+        tile_scales<TWO>(f, nb, s2, z2);
+        const size_t row = (size_t)rb * 32 + lg + 8 * nb;
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+            for (int hb = 0; hb < 2; ++hb) {
+                uint32_t v = f.four ? tile_b<true>(f, nb, kc, hb, s2, z2) : tile_b<false>(f, nb, kc, hb, s2, z2);
+                const __half2 h = *reinterpret_cast<__half2*>(&v);
+                const size_t col = (size_t)g * 64 + kc * 16 + 2 * t + 8 * hb;
+                if (col < (size_t)k) {  // k is even: col + 1 < k too
+                    w[row * k + col] = from_f32<T>(__low2float(h));
+                    w[row * k + col + 1] = from_f32<T>(__high2float(h));
+                }
+            }
+    }
+}
+
+// Outliers onto a dequantized weight: one thread per row, w[row, col] = T(w + delta).
+template <typename T>
+__device__ void tiles_add_outliers(const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end,
+                                   T* __restrict__ w, int n, int k, int E) {
+    pdl_trigger();
+    pdl_wait();
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= n) return;
+    const int rb = row / 32, rr = row % 32;
+    const int start = rr == 0 ? 0 : (int)row_end[row - 1], end = (int)row_end[row];
+    for (int e = start; e < end; ++e) {
+        const uint32_t v = entries[(size_t)rb * E + e];
+        const size_t o = (size_t)row * k + (v & 0xffffu);
+        w[o] = from_f32<T>(to_f32(w[o]) + __half2float(__ushort_as_half((unsigned short)(v >> 16))));
+    }
+}
+
+#define TILES_DEQ(SUF, T)                                                                                       \
+    extern "C" __global__ void tiles_dequantize_two_##SUF(const uint32_t* codes, const uint32_t* desc,          \
+                                                          const uint8_t* sc, const __half* sup,                 \
+                                                          const __half* plain, T* w, int n, int k, int H,       \
+                                                          int group) {                                          \
+        tiles_dequantize<true, T>(codes, desc, sc, sup, plain, w, n, k, H, group);                              \
+    }                                                                                                           \
+    extern "C" __global__ void tiles_dequantize_plain_##SUF(const uint32_t* codes, const uint32_t* desc,        \
+                                                            const uint8_t* sc, const __half* sup,               \
+                                                            const __half* plain, T* w, int n, int k, int H,     \
+                                                            int group) {                                        \
+        tiles_dequantize<false, T>(codes, desc, sc, sup, plain, w, n, k, H, group);                             \
+    }                                                                                                           \
+    extern "C" __global__ void tiles_add_outliers_##SUF(const uint32_t* entries, const uint32_t* row_end, T* w, \
+                                                        int n, int k, int E) {                                  \
+        tiles_add_outliers<T>(entries, row_end, w, n, k, E);                                                    \
+    }
+
+TILES_DEQ(f32, float)
+TILES_DEQ(f16, __half)
+TILES_DEQ(bf16, __nv_bfloat16)

@@ -1,0 +1,1323 @@
+//! `w2416`: 2-bit and 4-bit groups in one weight matrix with sparse f16 outliers
+//! (arXiv 2311.16442), and the tile layout its kernels read — which the uniform `int4` /
+//! `int2` formats are converted to at load, so one kernel family serves all three.
+//!
+//! # The format
+//!
+//! A weight `[n, k]` (n a multiple of [`TILE_ROWS`] = 32, k even) is cut into **tiles** of
+//! 32 rows × 64 columns ([`TILE_COLS`]; where k is not a multiple of 64 the last tile column
+//! holds zero weights past k). Every (row, tile) is one quantization group of 64
+//! weights, asymmetric: `w = q · scale + zero`, `q` in `0..=maxq`. A tile's groups are all
+//! 2-bit (`maxq` 3) or all 4-bit (`maxq` 15): the paper's memory alignment, so a warp that
+//! decodes a tile never diverges. Each block of 32 rows has the same number `h4` of 4-bit
+//! tiles (every block's code stream has one length: load balance, and a rectangular
+//! tensor). The 4-bit tiles of a block are those whose Hessian-weighted error
+//! `Σ_rows Σ_j H_jj (w_j − ŵ_j)²` drops most from 2 to 4 bits; `h4` follows from the budget
+//! `--bits`.
+//!
+//! **Exclusive outliers**: in the 2-bit tiles only, the `E` weights per 32-row block with the
+//! largest `H_jj (w_j − ŵ_j)²` (about `--outliers` = 0.5 % of the block's weights, `E` a
+//! multiple of 32) are taken out before their group's range is fitted again, and kept as an
+//! f16 correction `δ` to the value their code stands for (`w ≈ ŵ(q) + δ`).
+//!
+//! **Two-level scales** (`TwoLevel`): per (row, group) a u8 `sc` and an i8 `zc`; per (row,
+//! 16 groups) an f16 `ds`. `scale = f16(sc · ds · (1 / maxq))` (the code stores the group's
+//! range, so 2- and 4-bit groups share one scale of scales), `zero = f16(zc · scale / 8)`
+//! (the zero in eighths of the group's own step: its error is at most 1/16 of a step, where
+//! an absolute zero code under a super-group scale loses small groups' zeros). Each
+//! weight dequantizes to `f16(q · scale + zero)`, rounded once — what the kernel's `HFMA2`
+//! computes, so the CPU reference here matches the kernel's weights bit for bit.
+//!
+//! The uniform formats' tiles (`Plain` scales) hold f16 `(scale, zero)` per (row, group of
+//! `group` = 128 columns) instead, all tiles one precision, no outliers.
+//!
+//! # Tensors (version 1)
+//!
+//! `R = n / 32` row blocks, `G = ⌈k / 64⌉` tile columns, `S = ⌈G / 16⌉`, `H = h4`. Every tensor
+//! has `n` rows first (the formats layer's rule): a 32-row block's data is spread over its
+//! 32 rows, so splitting or stacking at multiples of 32 rows splits or stacks blocks.
+//!
+//! | tensor    | dtype | shape              | content |
+//! |-----------|-------|--------------------|---------|
+//! | `codes`   | u32   | `[n, 4 (G + H)]`   | per block, its tiles in column order: a 2-bit tile 128 words, a 4-bit one 256 (below) |
+//! | `mask`    | u8    | `[n, ⌈G / 8⌉]`     | bit `g % 8` of byte `g / 8`: tile column `g` of the row's block is 4-bit (same in the block's 32 rows) |
+//! | `scales`  | u8    | `[n, 2 G]`         | per block and tile, 64 bytes `[lg 8][nb 4][sc, zc]` for row `lg + 8 nb` |
+//! | `supers`  | f16   | `[n, S]`           | per block and super-group, `[lg 8][nb 4]` |
+//! | `entries` | u32   | `[n, E / 32]`      | per block, `E` outliers sorted by row then column: `col | f16 bits(δ) << 16`; unused ones `δ = 0` |
+//! | `row_end` | u32   | `[n, 1]`           | one past the row's last entry within its block's list |
+//!
+//! Inside a tile (lane `l` of the decoding warp, `lg = l / 4`, `t = l % 4`): lane `l`
+//! holds the 64 weights of rows `lg + 8 nb` (nb 0..4) at columns `16 kc + 2 t + 8 hb + e`
+//! (kc 0..4, hb, e 0..2): the B fragments of 16 `mma.m16n8k16` (one per n-block `nb` and
+//! k-chunk `kc`). 2-bit: word `4 l + nb` holds them with `(kc, hb, e)` at bits
+//! `2 (2 kc + hb) + 16 e`; 4-bit: word `128 (nb / 2) + 4 l + 2 (nb % 2) + kc / 2`, bits
+//! `4 (2 (kc % 2) + hb) + 16 e`. So a lane reads one 16-byte chunk (2-bit) or two, and a
+//! `shift + and + or` turns a pair of codes at bit distance 16 into an `f16x2` (`1024 + q`).
+//!
+//! Bits per weight, all counted (what the kernel reads): codes `2 + 2 H / G`, scales 0.25,
+//! super scales `16 / (64 · 16)`, tile descriptors (u32 per tile, built at load) 1/64,
+//! outliers `32 E / (32 k)` plus a u32 per row. At k = 4096, 0.5 % outliers and `h4` = 0.25 G:
+//! 2.5 + 0.25 + 0.016 + 0.016 + 0.16 + 0.008 = 2.95.
+
+use super::WeightFormat;
+use super::{Calibration, Codec, Epilogue, FormatSpec, LinearWeights, Plan, QuantOptions};
+use crate::gptq::{GptqConfig, GroupRule};
+use candle_core::{DType, Device, Result, Tensor};
+use half::f16;
+use std::collections::HashMap;
+
+/// Rows per tile.
+pub const TILE_ROWS: usize = 32;
+/// Columns per tile, and per quantization group of `w2416`.
+pub const TILE_COLS: usize = 64;
+/// Groups per second-level scale.
+pub const SUPER: usize = 16;
+/// A zero code counts eighths of its group's step.
+pub const ZERO_DIV: f32 = 8.0;
+/// Default budget, bits per weight with every byte counted.
+pub const DEFAULT_BITS: f64 = 3.0;
+/// Default outlier fraction (of all weights).
+pub const DEFAULT_OUTLIERS: f64 = 0.005;
+/// Range factors the fit tries: `1 − i / 100`.
+const CLIP_STEPS: usize = 80;
+
+pub static W2416: FormatSpec = FormatSpec {
+    name: "w2416",
+    aliases: &["2416"],
+    about: "2-bit groups with 4-bit tiles and sparse f16 outliers, ~3 bits/weight (--bits, --outliers); \
+            Hessian-ranked, round to nearest",
+    error_bound: 0.3,
+    tolerance: 5e-3,
+    calibration: Calibration::Diagonal,
+    graph_safe: true,
+    version: 1,
+    stores_as: None,
+    codec: &W2416Codec { gptq: false },
+};
+
+pub static W2416_GPTQ: FormatSpec = FormatSpec {
+    name: "w2416-gptq",
+    aliases: &["2416-gptq"],
+    about: "w2416 with GPTQ on its codes (needs calibration)",
+    error_bound: 0.3,
+    tolerance: 5e-3,
+    calibration: Calibration::Hessian,
+    graph_safe: true,
+    version: 1,
+    stores_as: Some(WeightFormat::W2416),
+    codec: &W2416Codec { gptq: true },
+};
+
+// ---------------------------------------------------------------------------------------
+// The tile layout.
+
+/// Scales of a tiled weight.
+#[derive(Debug, Clone)]
+pub enum TileScales {
+    /// `w2416`: u8 `[n, 2 G]` codes, f16 `[n, S]` super scales (module docs).
+    TwoLevel { codes: Tensor, supers: Tensor },
+    /// Uniform formats: f16 `[n, 2 ⌈k / group⌉]`, per block and scale group
+    /// `[lg 8][nb 4][scale, zero]`.
+    Plain { group: usize, sz: Tensor },
+}
+
+/// Sparse outliers of a tiled weight (module docs).
+#[derive(Debug, Clone)]
+pub struct Outliers {
+    /// Entries per 32-row block (a multiple of 32).
+    pub per_block: usize,
+    /// u32 `[n, per_block / 32]`.
+    pub entries: Tensor,
+    /// u32 `[n, 1]`.
+    pub row_end: Tensor,
+}
+
+/// A weight in the tile layout the kernels read (module docs).
+#[derive(Debug, Clone)]
+pub struct Tiles {
+    pub n: usize,
+    pub k: usize,
+    /// 4-bit tiles per 32-row block.
+    pub h4: usize,
+    /// u32 `[n, 4 (G + h4)]`.
+    pub codes: Tensor,
+    /// u8 `[n, ⌈G / 8⌉]`.
+    pub mask: Tensor,
+    /// u32 `[R, G]`: word offset of the tile in its block's stream, bit 31 set for 4-bit
+    /// (built from `mask`; not stored).
+    pub desc: Tensor,
+    pub scales: TileScales,
+    pub outliers: Option<Outliers>,
+}
+
+/// Tile columns of `k` (a last tile past `k` holds zero weights: `k` = 96 has two).
+pub fn tile_cols(k: usize) -> usize {
+    k.div_ceil(TILE_COLS)
+}
+
+/// Super-groups of a row of `k`.
+pub fn supers(k: usize) -> usize {
+    tile_cols(k).div_ceil(SUPER)
+}
+
+/// Whether `[n, k]` can be tiled: rows a multiple of 32, an even number of columns.
+pub fn tileable(n: usize, k: usize) -> bool {
+    n > 0 && k > 0 && n.is_multiple_of(TILE_ROWS) && k.is_multiple_of(2)
+}
+
+fn check_tileable(n: usize, k: usize, what: &str) -> Result<()> {
+    if !tileable(n, k) {
+        candle_core::bail!(
+            "{what}: a [{n}, {k}] weight cannot be tiled (rows a multiple of {TILE_ROWS}, an even number of columns)"
+        )
+    }
+    Ok(())
+}
+
+/// `w` `[n, k]` with zero columns up to a multiple of 64 (and `h` with zero rows and
+/// columns: GPTQ takes them as dead inputs).
+fn pad_cols(w: &Tensor, h: Option<&Tensor>) -> Result<(Tensor, Option<Tensor>)> {
+    let (n, k) = w.dims2()?;
+    let kp = tile_cols(k) * TILE_COLS;
+    if kp == k {
+        return Ok((w.clone(), h.cloned()));
+    }
+    let z = Tensor::zeros((n, kp - k), w.dtype(), w.device())?;
+    let w = Tensor::cat(&[w, &z], 1)?;
+    let h = match h {
+        Some(h) => {
+            let h = h.to_dtype(DType::F32)?;
+            let right = Tensor::zeros((k, kp - k), DType::F32, h.device())?;
+            let top = Tensor::cat(&[&h, &right], 1)?;
+            let bottom = Tensor::zeros((kp - k, kp), DType::F32, h.device())?;
+            Some(Tensor::cat(&[top, bottom], 0)?)
+        }
+        None => None,
+    };
+    Ok((w, h))
+}
+
+/// `1 / maxq` in f32 (what the kernel multiplies by).
+pub fn inv_maxq(four: bool) -> f32 {
+    if four {
+        1.0 / 15.0
+    } else {
+        1.0 / 3.0
+    }
+}
+
+/// Second-level dequantization, as the kernel does it: `(scale, zero)` in f16.
+pub fn two_level(sc: u8, zc: i8, ds: f16, four: bool) -> (f16, f16) {
+    let s = f16::from_f32(f32::from(sc) * ds.to_f32() * inv_maxq(four));
+    let z = f16::from_f32(f32::from(zc) * s.to_f32() * (1.0 / ZERO_DIV));
+    (s, z)
+}
+
+/// `f16(q · s + z)` rounded once (the kernel's `HFMA2`).
+pub fn dequant_code(q: u8, s: f16, z: f16) -> f16 {
+    f16::from_f64(f64::from(q) * s.to_f64() + z.to_f64())
+}
+
+/// Tile descriptors `[R, G]` from the 4-bit flags `[R · G]` (row-block major).
+pub fn descriptors(four: &[bool], r: usize, g: usize) -> Vec<u32> {
+    let mut d = Vec::with_capacity(r * g);
+    for b in 0..r {
+        let mut off = 0u32;
+        for j in 0..g {
+            let f = four[b * g + j];
+            d.push(off | (u32::from(f) << 31));
+            off += if f { 256 } else { 128 };
+        }
+    }
+    d
+}
+
+/// The word index inside a tile and the bit shift of code (row `rr` of the tile, column `c`
+/// of the tile).
+pub fn code_position(rr: usize, c: usize, four: bool) -> (usize, u32) {
+    let (lg, nb) = (rr % 8, rr / 8);
+    let (kc, hb, t, e) = (c / 16, (c % 16) / 8, (c % 8) / 2, c % 2);
+    let lane = 4 * lg + t;
+    if four {
+        let word = 128 * (nb / 2) + 4 * lane + 2 * (nb % 2) + kc / 2;
+        (word, (4 * (2 * (kc % 2) + hb) + 16 * e) as u32)
+    } else {
+        (4 * lane + nb, (2 * (2 * kc + hb) + 16 * e) as u32)
+    }
+}
+
+/// Fragment order of per-(row, x) data `[n, X, P]` → `[n, X · P]` (`[R][X][lg][nb][P]`).
+fn fragment_order(t: &Tensor, p: usize) -> Result<Tensor> {
+    let (n, x) = (t.dim(0)?, t.dim(1)?);
+    t.reshape((n / TILE_ROWS, 4, 8, x, p))?
+        .permute((0, 3, 2, 1, 4))?
+        .contiguous()?
+        .reshape((n, x * p))
+}
+
+/// The inverse of [`fragment_order`] on the host: element (row, x, p) of `[n, X · P]` data.
+fn fragment_index(row: usize, x: usize, p: usize, xs: usize, ps: usize) -> usize {
+    let (b, rr) = (row / TILE_ROWS, row % TILE_ROWS);
+    (((b * xs + x) * 8 + rr % 8) * 4 + rr / 8) * ps + p
+}
+
+fn pow2s(shifts: &[u32], dims: &[usize], dev: &Device) -> Result<Tensor> {
+    let v: Vec<u32> = shifts.iter().map(|&s| 1u32 << s).collect();
+    Tensor::from_vec(v, dims, dev)
+}
+
+/// Pack codes u8 `[n, k]` (each below `2^bits` of its tile) into the tile stream u32
+/// `[n, 4 (G + h4)]`, `four` the 4-bit flags `[R · G]`. Tensor ops on the codes' device.
+pub fn pack_codes(codes: &Tensor, four: &[bool]) -> Result<Tensor> {
+    let (n, k) = codes.dims2()?;
+    check_tileable(n, k, "pack_codes")?;
+    if !k.is_multiple_of(TILE_COLS) {
+        candle_core::bail!(
+            "pack_codes: codes [{n}, {k}] not padded to whole tiles of {TILE_COLS} columns"
+        )
+    }
+    let (r, g) = (n / TILE_ROWS, tile_cols(k));
+    if four.len() != r * g {
+        candle_core::bail!("pack_codes: {} tile flags for [{r}, {g}] tiles", four.len())
+    }
+    let dev = codes.device();
+    let c = codes.to_dtype(DType::U32)?;
+    // Both packings are built for every tile and each tile takes one; the 2-bit one of a
+    // 4-bit tile is discarded, but must not overflow: codes mod 4 there.
+    let four_t = Tensor::new(&[4u32], dev)?.reshape((1, 1))?;
+    let c_lo = (&c - c.broadcast_div(&four_t)?.affine(4.0, 0.0)?)?;
+    // 2-bit: [R, nb 4, lg 8, G, kc 4, hb 2, t 4, e 2] -> [R, G, lg, t, nb, (kc, hb, e)].
+    let c2 = c_lo
+        .reshape(vec![r, 4, 8, g, 4, 2, 4, 2])?
+        .permute(vec![0, 3, 2, 6, 1, 4, 5, 7])?
+        .reshape((r, g, 128, 16))?;
+    let sh2: Vec<u32> = (0..16)
+        .map(|i| {
+            let (kc, hb, e) = (i / 4, (i / 2) % 2, i % 2);
+            (2 * (2 * kc + hb) + 16 * e) as u32
+        })
+        .collect();
+    let w2 = c2
+        .broadcast_mul(&pow2s(&sh2, &[1, 1, 1, 16], dev)?)?
+        .sum(3)?; // [R, G, 128]
+                  // 4-bit: [R, nbh 2, nbl 2, lg 8, G, hh 2, kk 2, hb 2, t 4, e 2]
+                  //     -> [R, G, nbh, lg, t, nbl, hh, (kk, hb, e)].
+    let c4 = c
+        .reshape(vec![r, 2, 2, 8, g, 2, 2, 2, 4, 2])?
+        .permute(vec![0, 4, 1, 3, 8, 2, 5, 6, 7, 9])?
+        .reshape((r, g, 256, 8))?;
+    let sh4: Vec<u32> = (0..8)
+        .map(|i| {
+            let (kk, hb, e) = (i / 4, (i / 2) % 2, i % 2);
+            (4 * (2 * kk + hb) + 16 * e) as u32
+        })
+        .collect();
+    let w4 = c4
+        .broadcast_mul(&pow2s(&sh4, &[1, 1, 1, 8], dev)?)?
+        .sum(3)?; // [R, G, 256]
+    let h4 = four.iter().filter(|&&f| f).count() / r.max(1);
+    let all = Tensor::cat(&[w2.flatten_all()?, w4.flatten_all()?], 0)?;
+    let base4 = r * g * 128;
+    let mut idx: Vec<u32> = Vec::with_capacity(r * 128 * (g + h4));
+    for b in 0..r {
+        for j in 0..g {
+            let t = b * g + j;
+            if four[t] {
+                idx.extend((0..256).map(|i| (base4 + t * 256 + i) as u32));
+            } else {
+                idx.extend((0..128).map(|i| (t * 128 + i) as u32));
+            }
+        }
+    }
+    if idx.len() != r * 128 * (g + h4) {
+        candle_core::bail!("pack_codes: blocks hold different numbers of 4-bit tiles")
+    }
+    let n_idx = idx.len();
+    all.index_select(&Tensor::from_vec(idx, n_idx, dev)?, 0)?
+        .reshape((n, 4 * (g + h4)))
+}
+
+impl Tiles {
+    /// Assemble and check; `four` the 4-bit flags `[R · G]`.
+    pub fn new(
+        (n, k): (usize, usize),
+        codes: Tensor,
+        four: &[bool],
+        scales: TileScales,
+        outliers: Option<Outliers>,
+    ) -> Result<Self> {
+        check_tileable(n, k, "tiles")?;
+        let (r, g) = (n / TILE_ROWS, tile_cols(k));
+        if four.len() != r * g {
+            candle_core::bail!("tiles: {} tile flags for [{r}, {g}] tiles", four.len())
+        }
+        let h4 = four[..g].iter().filter(|&&f| f).count();
+        for b in 0..r {
+            let hb = four[b * g..(b + 1) * g].iter().filter(|&&f| f).count();
+            if hb != h4 {
+                candle_core::bail!(
+                    "tiles: row block {b} has {hb} 4-bit tiles, block 0 has {h4} (every block has the same number)"
+                )
+            }
+        }
+        let dev = codes.device().clone();
+        super::expect(&codes, "codes", &[n, 4 * (g + h4)], DType::U32)?;
+        match &scales {
+            TileScales::TwoLevel { codes: sc, supers } => {
+                super::expect(sc, "scales", &[n, 2 * g], DType::U8)?;
+                super::expect(supers, "supers", &[n, supers_of(k)], DType::F16)?;
+            }
+            TileScales::Plain { group, sz } => {
+                if *group == 0 || !group.is_multiple_of(TILE_COLS) {
+                    candle_core::bail!(
+                        "tiles: scale group {group} is not a multiple of {TILE_COLS}"
+                    )
+                }
+                super::expect(sz, "scales", &[n, 2 * k.div_ceil(*group)], DType::F16)?;
+            }
+        }
+        if let Some(o) = &outliers {
+            if !o.per_block.is_multiple_of(32) {
+                candle_core::bail!(
+                    "tiles: {} outliers per block, not a multiple of 32",
+                    o.per_block
+                )
+            }
+            super::expect(&o.entries, "entries", &[n, o.per_block / 32], DType::U32)?;
+            super::expect(&o.row_end, "row_end", &[n, 1], DType::U32)?;
+        }
+        let mut mask = vec![0u8; n * g.div_ceil(8)];
+        for row in 0..n {
+            for j in 0..g {
+                if four[(row / TILE_ROWS) * g + j] {
+                    mask[row * g.div_ceil(8) + j / 8] |= 1 << (j % 8);
+                }
+            }
+        }
+        let mask = Tensor::from_vec(mask, (n, g.div_ceil(8)), &dev)?;
+        let desc = Tensor::from_vec(descriptors(four, r, g), (r, g), &dev)?;
+        Ok(Self {
+            n,
+            k,
+            h4,
+            codes,
+            mask,
+            desc,
+            scales,
+            outliers,
+        })
+    }
+
+    /// The 4-bit flags `[R · G]` of a stored `mask` u8 `[n, ⌈G / 8⌉]`, checked to agree
+    /// within each block.
+    pub fn flags_of_mask(mask: &Tensor, n: usize, k: usize) -> Result<Vec<bool>> {
+        check_tileable(n, k, "mask")?;
+        let g = tile_cols(k);
+        super::expect(mask, "mask", &[n, g.div_ceil(8)], DType::U8)?;
+        let m = mask
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<u8>()?;
+        let w = g.div_ceil(8);
+        let mut four = vec![false; (n / TILE_ROWS) * g];
+        for row in 0..n {
+            let b = row / TILE_ROWS;
+            for j in 0..g {
+                let f = m[row * w + j / 8] >> (j % 8) & 1 == 1;
+                if row % TILE_ROWS == 0 {
+                    four[b * g + j] = f;
+                } else if four[b * g + j] != f {
+                    candle_core::bail!(
+                        "mask: rows {} and {row} of one 32-row block disagree on tile {j}",
+                        b * TILE_ROWS
+                    )
+                }
+            }
+        }
+        Ok(four)
+    }
+
+    pub fn device(&self) -> Device {
+        self.codes.device().clone()
+    }
+
+    /// Bytes a matmul reads: codes, scales, tile descriptors, outliers.
+    pub fn bytes(&self) -> usize {
+        let (n, k) = (self.n, self.k);
+        let g = tile_cols(k);
+        let mut b = n * 16 * (g + self.h4) + (n / TILE_ROWS) * g * 4;
+        b += match &self.scales {
+            TileScales::TwoLevel { .. } => n * (2 * g + 2 * supers_of(k)),
+            TileScales::Plain { group, .. } => n * 4 * k.div_ceil(*group),
+        };
+        if let Some(o) = &self.outliers {
+            b += n * 4 + (n / TILE_ROWS) * o.per_block * 4;
+        }
+        b
+    }
+
+    /// The 4-bit flags `[R · G]`.
+    pub fn flags(&self) -> Result<Vec<bool>> {
+        let d = self
+            .desc
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<u32>()?;
+        Ok(d.iter().map(|v| v >> 31 == 1).collect())
+    }
+
+    /// CPU reference: codes u8 `[n, k]`.
+    pub fn unpack_ref(&self) -> Result<Vec<u8>> {
+        let (n, k) = (self.n, self.k);
+        let g = tile_cols(k);
+        let words = self
+            .codes
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<u32>()?;
+        let desc = self
+            .desc
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<u32>()?;
+        let stream = 128 * (g + self.h4);
+        let mut out = vec![0u8; n * k];
+        for row in 0..n {
+            let b = row / TILE_ROWS;
+            for col in 0..k {
+                let d = desc[b * g + col / TILE_COLS];
+                let four = d >> 31 == 1;
+                let base = b * stream + (d & 0x7fff_ffff) as usize;
+                let (w, s) = code_position(row % TILE_ROWS, col % TILE_COLS, four);
+                let mask = if four { 15 } else { 3 };
+                out[row * k + col] = ((words[base + w] >> s) & mask) as u8;
+            }
+        }
+        Ok(out)
+    }
+
+    /// CPU reference: `(scale, zero)` f16 of every (row, tile column).
+    pub fn group_params_ref(&self) -> Result<Vec<(f16, f16)>> {
+        let (n, k) = (self.n, self.k);
+        let g = tile_cols(k);
+        let four = self.flags()?;
+        let mut out = Vec::with_capacity(n * g);
+        match &self.scales {
+            TileScales::TwoLevel { codes, supers: sup } => {
+                let sc = codes
+                    .flatten_all()?
+                    .to_device(&Device::Cpu)?
+                    .to_vec1::<u8>()?;
+                let ds = sup
+                    .flatten_all()?
+                    .to_device(&Device::Cpu)?
+                    .to_vec1::<f16>()?;
+                let s = supers_of(k);
+                for row in 0..n {
+                    for j in 0..g {
+                        let c = sc[fragment_index(row, j, 0, g, 2)];
+                        let z = sc[fragment_index(row, j, 1, g, 2)] as i8;
+                        let d = ds[fragment_index(row, j / SUPER, 0, s, 1)];
+                        out.push(two_level(c, z, d, four[(row / TILE_ROWS) * g + j]));
+                    }
+                }
+            }
+            TileScales::Plain { group, sz } => {
+                let v = sz
+                    .flatten_all()?
+                    .to_device(&Device::Cpu)?
+                    .to_vec1::<f16>()?;
+                let sg = k.div_ceil(*group);
+                for row in 0..n {
+                    for j in 0..g {
+                        let x = j * TILE_COLS / group;
+                        out.push((
+                            v[fragment_index(row, x, 0, sg, 2)],
+                            v[fragment_index(row, x, 1, sg, 2)],
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// CPU reference: the outliers `(row, col, δ)`.
+    pub fn outliers_ref(&self) -> Result<Vec<(usize, usize, f16)>> {
+        let Some(o) = &self.outliers else {
+            return Ok(vec![]);
+        };
+        let e = o
+            .entries
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<u32>()?;
+        let ends = o
+            .row_end
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<u32>()?;
+        let mut out = vec![];
+        for row in 0..self.n {
+            let b = row / TILE_ROWS;
+            let start = if row % TILE_ROWS == 0 {
+                0
+            } else {
+                ends[row - 1] as usize
+            };
+            let end = ends[row] as usize;
+            if end < start || end > o.per_block {
+                candle_core::bail!(
+                    "outliers: row {row} spans entries {start}..{end} of {}",
+                    o.per_block
+                )
+            }
+            for &v in &e[b * o.per_block + start..b * o.per_block + end] {
+                let col = (v & 0xffff) as usize;
+                if col >= self.k {
+                    candle_core::bail!("outliers: row {row} has column {col} past {}", self.k)
+                }
+                out.push((row, col, f16::from_bits((v >> 16) as u16)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// CPU reference: the weight `[n, k]` in f32 as the kernels use it: `f16(q · s + z)`,
+    /// plus `δ` where an outlier sits.
+    pub fn dequantize_ref(&self) -> Result<Vec<f32>> {
+        let (n, k) = (self.n, self.k);
+        let g = tile_cols(k);
+        let codes = self.unpack_ref()?;
+        let p = self.group_params_ref()?;
+        let mut w: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let (s, z) = p[(i / k) * g + (i % k) / TILE_COLS];
+                dequant_code(codes[i], s, z).to_f32()
+            })
+            .collect();
+        for (row, col, d) in self.outliers_ref()? {
+            w[row * k + col] += d.to_f32();
+        }
+        Ok(w)
+    }
+
+    /// The weight `[n, k]` in `dtype` (f32 or f16): the kernel on the GPU, the reference on
+    /// the CPU (f16: the f32 values rounded once).
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        crate::ops::tiles_dequantize(self, dtype)
+    }
+
+    /// The stored tensors (module docs), by field name.
+    pub fn tensors(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![
+            ("codes".to_string(), self.codes.clone()),
+            ("mask".to_string(), self.mask.clone()),
+        ];
+        if let TileScales::TwoLevel { codes, supers } = &self.scales {
+            v.push(("scales".to_string(), codes.clone()));
+            v.push(("supers".to_string(), supers.clone()));
+        }
+        if let Some(o) = &self.outliers {
+            v.push(("entries".to_string(), o.entries.clone()));
+            v.push(("row_end".to_string(), o.row_end.clone()));
+        }
+        v
+    }
+}
+
+fn supers_of(k: usize) -> usize {
+    supers(k)
+}
+
+/// Plain (uniform-format) scales in tile order from f16 `scales`, `zeros` `[n, ⌈k / group⌉]`.
+pub fn plain_scales(scales: &Tensor, zeros: &Tensor, group: usize) -> Result<TileScales> {
+    let sz = Tensor::stack(&[scales, zeros], 2)?;
+    Ok(TileScales::Plain {
+        group,
+        sz: fragment_order(&sz, 2)?,
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The budget.
+
+/// `w2416` settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct W2416Config {
+    /// Target bits per weight, every byte counted.
+    pub bits: f64,
+    /// Outlier fraction of all weights (0 = none).
+    pub outliers: f64,
+}
+
+impl Default for W2416Config {
+    fn default() -> Self {
+        Self {
+            bits: DEFAULT_BITS,
+            outliers: DEFAULT_OUTLIERS,
+        }
+    }
+}
+
+impl W2416Config {
+    /// Outliers per 32-row block of a `[n, k]` weight.
+    pub fn per_block(&self, k: usize) -> usize {
+        let e = self.outliers.max(0.0) * (TILE_ROWS * k) as f64;
+        ((e / 32.0).round() as usize) * 32
+    }
+
+    /// 4-bit tiles per block for `[n, k]`: the most whose bytes fit the budget.
+    pub fn h4(&self, n: usize, k: usize) -> usize {
+        let (g, e) = (tile_cols(k), self.per_block(k));
+        // Bytes per 32-row block besides the 4-bit codes' extra 2 bits.
+        let row_end = if e > 0 { 4 } else { 0 };
+        let fixed = TILE_ROWS * (16 * g + 2 * g + 2 * supers(k) + row_end) + 4 * g + 4 * e;
+        let budget = self.bits * (TILE_ROWS * k) as f64 / 8.0;
+        let spare = budget - fixed as f64;
+        let _ = n;
+        if spare <= 0.0 {
+            0
+        } else {
+            ((spare / (TILE_ROWS * 16) as f64).floor() as usize).min(g)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The quantizer.
+
+/// Best range per (row, group) of `wg` `[n, G, 64]` at `maxq`, searched over range factors
+/// for the least `d`-weighted squared error, positions where `excl` is 1 left out. Returns
+/// `(scale, zero, err)`, each `[n, G]` f32.
+fn fit(
+    wg: &Tensor,
+    d: &Tensor,
+    excl: Option<&Tensor>,
+    maxq: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let keep = match excl {
+        Some(e) => e.affine(-1.0, 1.0)?,
+        None => wg.ones_like()?,
+    };
+    let big = 1e30f64;
+    let (mn, mx) = match excl {
+        Some(e) => {
+            let hi = (e.affine(big, 0.0)? + wg)?;
+            let lo = (wg - e.affine(big, 0.0)?)?;
+            (hi.min(2)?, lo.max(2)?)
+        }
+        None => (wg.min(2)?, wg.max(2)?),
+    };
+    // A group left empty: range [0, 0].
+    let empty = mn.gt(&mx)?;
+    let mn = empty.where_cond(&mn.zeros_like()?, &mn)?;
+    let mx = empty.where_cond(&mx.zeros_like()?, &mx)?;
+    let wd = keep.broadcast_mul(d)?;
+    let mut best: Option<(Tensor, Tensor, Tensor)> = None;
+    for i in 0..CLIP_STEPS {
+        let f = 1.0 - i as f64 / 100.0;
+        let (lo, hi) = (mn.affine(f, 0.0)?, mx.affine(f, 0.0)?);
+        let s = (&hi - &lo)?.affine(1.0 / maxq as f64, 0.0)?;
+        let s = s.gt(1e-12)?.where_cond(&s, &s.ones_like()?)?;
+        let q = wg
+            .broadcast_sub(&lo.unsqueeze(2)?)?
+            .broadcast_div(&s.unsqueeze(2)?)?
+            .round()?
+            .clamp(0f32, maxq)?;
+        let v = q
+            .broadcast_mul(&s.unsqueeze(2)?)?
+            .broadcast_add(&lo.unsqueeze(2)?)?;
+        let err = ((v - wg)?.sqr()? * &wd)?.sum(2)?;
+        best = Some(match best {
+            None => (s, lo, err),
+            Some((bs, bz, be)) => {
+                let better = err.lt(&be)?;
+                (
+                    better.where_cond(&s, &bs)?,
+                    better.where_cond(&lo, &bz)?,
+                    better.where_cond(&err, &be)?,
+                )
+            }
+        });
+    }
+    match best {
+        Some(b) => Ok(b),
+        None => candle_core::bail!("fit: no range factors"),
+    }
+}
+
+/// Indices of the `e` largest of `v` (ties by index), sorted ascending.
+fn top(v: &[f32], e: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    let e = e.min(v.len());
+    if e == 0 {
+        return vec![];
+    }
+    idx.select_nth_unstable_by(e - 1, |&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    let mut t = idx[..e].to_vec();
+    t.sort_unstable();
+    t
+}
+
+/// What the quantizer decided before the codes: per (row, group) f16 `(scale, zero)` and
+/// `maxq`, the tiles' flags, the two-level codes, and the outlier positions.
+struct Decided {
+    four: Vec<bool>,
+    /// f32 `[n, G, 3]`: scale, zero (both f16 values), maxq.
+    params: Tensor,
+    sc: Tensor,
+    supers: Tensor,
+    /// Outlier positions per block, `(row, col)` sorted.
+    outliers: Vec<Vec<(usize, usize)>>,
+    per_block: usize,
+}
+
+/// `w` `[n, k]` padded to whole tiles; `kl` its real width (budget, outlier columns).
+fn decide(w: &Tensor, diag: &Tensor, cfg: &W2416Config, kl: usize) -> Result<Decided> {
+    let (n, k) = w.dims2()?;
+    check_tileable(n, k, "w2416")?;
+    let (r, g) = (n / TILE_ROWS, tile_cols(k));
+    let dev = w.device().clone();
+    let wf = w.to_dtype(DType::F32)?.contiguous()?;
+    let wg = wf.reshape((n, g, TILE_COLS))?;
+    let d = diag.to_dtype(DType::F32)?.reshape((1, g, TILE_COLS))?;
+    let (s4, z4, e4) = fit(&wg, &d, None, 15.0)?;
+    let (s2, z2, e2) = fit(&wg, &d, None, 3.0)?;
+    // 4-bit tiles: the largest drop in error per block.
+    let h4 = cfg.h4(n, kl);
+    let gain = (&e2 - &e4)?
+        .reshape((r, TILE_ROWS, g))?
+        .sum(1)?
+        .flatten_all()?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?;
+    let mut four = vec![false; r * g];
+    for b in 0..r {
+        for j in top(&gain[b * g..(b + 1) * g], h4) {
+            four[b * g + j] = true;
+        }
+    }
+    let four_t = Tensor::from_vec(
+        four.iter().map(|&f| u8::from(f)).collect::<Vec<_>>(),
+        (r, 1, g),
+        &dev,
+    )?
+    .broadcast_as((r, TILE_ROWS, g))?
+    .reshape((n, g))?;
+    // Outliers: in 2-bit tiles, the largest H-weighted errors of the 2-bit fit, per block.
+    let per_block = cfg.per_block(kl).min((g - h4) * TILE_COLS * TILE_ROWS);
+    let mut outliers = vec![vec![]; r];
+    let mut excl_host = vec![0f32; n * k];
+    if per_block > 0 {
+        let q = wg
+            .broadcast_sub(&z2.unsqueeze(2)?)?
+            .broadcast_div(&s2.unsqueeze(2)?)?
+            .round()?
+            .clamp(0f32, 3f32)?;
+        let v = q
+            .broadcast_mul(&s2.unsqueeze(2)?)?
+            .broadcast_add(&z2.unsqueeze(2)?)?;
+        let two = four_t
+            .affine(-1.0, 1.0)?
+            .to_dtype(DType::F32)?
+            .unsqueeze(2)?;
+        let err = ((v - &wg)?.sqr()?.broadcast_mul(&d)?.broadcast_mul(&two)?)
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?;
+        for (b, out) in outliers.iter_mut().enumerate() {
+            let blk = &err[b * TILE_ROWS * k..(b + 1) * TILE_ROWS * k];
+            for i in top(blk, per_block) {
+                let (row, col) = (b * TILE_ROWS + i / k, i % k);
+                if col >= kl {
+                    continue;
+                }
+                out.push((row, col));
+                excl_host[row * k + col] = 1.0;
+            }
+        }
+    }
+    let (s2, z2) = if per_block > 0 {
+        let excl = Tensor::from_vec(excl_host, (n, g, TILE_COLS), &dev)?;
+        let (s, z, _) = fit(&wg, &d, Some(&excl), 3.0)?;
+        (s, z)
+    } else {
+        (s2, z2)
+    };
+    let is4 = four_t.to_dtype(DType::U8)?;
+    let scale = is4.where_cond(&s4, &s2)?;
+    let zero = is4.where_cond(&z4, &z2)?;
+    let maxq = is4.where_cond(
+        &Tensor::full(15f32, (n, g), &dev)?,
+        &Tensor::full(3f32, (n, g), &dev)?,
+    )?;
+    let inv = is4.where_cond(
+        &Tensor::full(inv_maxq(true), (n, g), &dev)?,
+        &Tensor::full(inv_maxq(false), (n, g), &dev)?,
+    )?;
+    // Two levels: the range's code under the super-group's f16 scale, the zero in eighths
+    // of the step.
+    let range = (&scale * &maxq)?;
+    let s = supers(k);
+    let padded = if s * SUPER > g {
+        Tensor::cat(
+            &[
+                &range,
+                &Tensor::zeros((n, s * SUPER - g), DType::F32, &dev)?,
+            ],
+            1,
+        )?
+    } else {
+        range.clone()
+    };
+    let ds = padded
+        .reshape((n, s, SUPER))?
+        .max(2)?
+        .affine(1.0 / 255.0, 0.0)?
+        .to_dtype(DType::F16)?
+        .to_dtype(DType::F32)?;
+    let ds = ds.gt(0f64)?.where_cond(&ds, &ds.ones_like()?)?;
+    let ds_g = ds
+        .unsqueeze(2)?
+        .broadcast_as((n, s, SUPER))?
+        .reshape((n, s * SUPER))?
+        .narrow(1, 0, g)?;
+    let sc = (&range / &ds_g)?.round()?.clamp(1f32, 255f32)?;
+    let s_h = ((&sc * &ds_g)? * &inv)?
+        .to_dtype(DType::F16)?
+        .to_dtype(DType::F32)?;
+    let zc = (&zero / &s_h)?
+        .affine(ZERO_DIV as f64, 0.0)?
+        .round()?
+        .clamp(-128f32, 127f32)?;
+    let z_h = (&zc * &s_h)?
+        .affine(1.0 / ZERO_DIV as f64, 0.0)?
+        .to_dtype(DType::F16)?
+        .to_dtype(DType::F32)?;
+    let params = Tensor::stack(&[&s_h, &z_h, &maxq], 2)?;
+    // Codes as u8 (zc two's complement).
+    let zc_u8 = zc
+        .lt(0f64)?
+        .where_cond(&zc.affine(1.0, 256.0)?, &zc)?
+        .to_dtype(DType::U8)?;
+    let sc_t = Tensor::stack(&[sc.to_dtype(DType::U8)?, zc_u8.to_dtype(DType::U8)?], 2)?;
+    let sc_t = fragment_order(&sc_t, 2)?;
+    let supers = fragment_order(&ds.to_dtype(DType::F16)?.unsqueeze(2)?, 1)?;
+    Ok(Decided {
+        four,
+        params,
+        sc: sc_t,
+        supers,
+        outliers,
+        per_block,
+    })
+}
+
+/// The group rule GPTQ and round to nearest run under once [`decide`] has fixed every
+/// group's parameters: codes by rounding, outliers kept as they stand.
+struct FixedRule {
+    g: usize,
+    k: usize,
+    /// f32 `[n, G, 3]` on the host.
+    params: Vec<f32>,
+    /// `[G]` tensors `[3, n]`.
+    params_t: Vec<Tensor>,
+    /// Host outlier flags `[n, k]`.
+    outlier: Vec<bool>,
+    /// u8 `[k, n]`.
+    outlier_t: Tensor,
+}
+
+impl FixedRule {
+    fn new(dec: &Decided, n: usize, k: usize, dev: &Device) -> Result<Self> {
+        let g = tile_cols(k);
+        let params = dec
+            .params
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?;
+        let pt = dec.params.permute((1, 2, 0))?.contiguous()?; // [G, 3, n]
+        let params_t = (0..g)
+            .map(|j| pt.get(j)?.contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        let mut outlier = vec![false; n * k];
+        let mut ot = vec![0u8; n * k];
+        for &(row, col) in dec.outliers.iter().flatten() {
+            outlier[row * k + col] = true;
+            ot[col * n + row] = 1;
+        }
+        Ok(Self {
+            g,
+            k,
+            params,
+            params_t,
+            outlier,
+            outlier_t: Tensor::from_vec(ot, (k, n), dev)?,
+        })
+    }
+}
+
+impl GroupRule for FixedRule {
+    fn group_size(&self) -> usize {
+        TILE_COLS
+    }
+
+    fn params(&self) -> usize {
+        3
+    }
+
+    fn fit(&self, row: usize, group: usize, _w: &[f32], p: &mut [f32]) {
+        p.copy_from_slice(&self.params[(row * self.g + group) * 3..][..3]);
+    }
+
+    fn quantize(&self, row: usize, col: usize, p: &[f32], x: f32) -> (u8, f32) {
+        let q = ((x - p[1]) / p[0]).round().clamp(0.0, p[2]);
+        if self.outlier[row * self.k + col] {
+            return (q as u8, x);
+        }
+        let v = dequant_code(q as u8, f16::from_f32(p[0]), f16::from_f32(p[1]));
+        (q as u8, v.to_f32())
+    }
+
+    fn fit_t(&self, group: usize, _wt: &Tensor) -> Result<Tensor> {
+        Ok(self.params_t[group].clone())
+    }
+
+    fn quantize_t(&self, col: usize, wt: &Tensor, p: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (s, z, mq) = (p.narrow(0, 0, 1)?, p.narrow(0, 1, 1)?, p.narrow(0, 2, 1)?);
+        let q = wt
+            .broadcast_sub(&z)?
+            .broadcast_div(&s)?
+            .round()?
+            .relu()?
+            .broadcast_minimum(&mq)?;
+        let v = q
+            .broadcast_mul(&s)?
+            .broadcast_add(&z)?
+            .to_dtype(DType::F16)?
+            .to_dtype(DType::F32)?;
+        let m = self.outlier_t.narrow(0, col, wt.dim(0)?)?;
+        let v = m.where_cond(wt, &v)?;
+        Ok((q.to_dtype(DType::U8)?, v))
+    }
+}
+
+/// Quantize `w` `[n, k]` to `w2416` on its device. `hessian` `[k, k]`: its diagonal ranks
+/// tiles and outliers (every input counts the same without it); with `gptq`, GPTQ sets the
+/// codes under it.
+pub fn quantize(
+    w: &Tensor,
+    hessian: Option<&Tensor>,
+    cfg: &W2416Config,
+    gptq: Option<&GptqConfig>,
+) -> Result<Tiles> {
+    let (n, k) = w.dims2()?;
+    check_tileable(n, k, "w2416")?;
+    if !(0.0..0.1).contains(&cfg.outliers) || !(2.0..=4.6).contains(&cfg.bits) {
+        candle_core::bail!(
+            "w2416: --bits {} (2.0..=4.6) / --outliers {} (0..0.1) out of range",
+            cfg.bits,
+            cfg.outliers
+        )
+    }
+    let dev = w.device().clone();
+    let diag = match hessian {
+        Some(h) => {
+            if h.dims() != [k, k] {
+                candle_core::bail!("w2416: Hessian {:?} for a [{n}, {k}] weight", h.shape())
+            }
+            let idx = Tensor::arange(0u32, k as u32, &dev)?;
+            let d = h
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .index_select(&idx.affine((k + 1) as f64, 0.0)?, 0)?;
+            let mean = d.mean_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            d.clamp(mean.abs().max(1e-12) * 1e-6, f32::MAX)?
+        }
+        None => Tensor::ones(k, DType::F32, &dev)?,
+    };
+    // Quantized as [n, kp] with zero columns past k (the last tile's).
+    let (w, hessian) = pad_cols(w, hessian)?;
+    let hessian = hessian.as_ref();
+    let kl = k;
+    let k = w.dim(1)?;
+    let diag = if k > kl {
+        Tensor::cat(&[&diag, &Tensor::ones(k - kl, DType::F32, &dev)?], 0)?
+    } else {
+        diag
+    };
+    let dec = decide(&w, &diag, cfg, kl)?;
+    let rule = FixedRule::new(&dec, n, k, &dev)?;
+    let q = match (gptq, hessian) {
+        (Some(c), Some(h)) => crate::gptq::gptq(&w, h, &rule, c)?.quantized,
+        (Some(_), None) => candle_core::bail!(
+            "w2416-gptq needs calibration statistics (the layer input's Hessian) for a [{n}, {k}] weight; \
+             quantize the model through candle_lowbit::calib (the tools: --calib FILE)"
+        ),
+        (None, _) => crate::gptq::round_to_nearest(&w, &rule)?,
+    };
+    // Outliers: δ = f16(value − f16(q · s + z)).
+    let outliers = if dec.per_block > 0 {
+        let codes = q
+            .codes
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<u8>()?;
+        let vals = q
+            .values
+            .flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?;
+        let g = tile_cols(k);
+        let e = dec.per_block;
+        let r = n / TILE_ROWS;
+        let mut entries = vec![0u32; r * e];
+        let mut row_end = vec![0u32; n];
+        for (b, list) in dec.outliers.iter().enumerate() {
+            let mut count = [0u32; TILE_ROWS];
+            for (i, &(row, col)) in list.iter().enumerate() {
+                let j = (row * g + col / TILE_COLS) * 3;
+                let (s, z) = (
+                    f16::from_f32(rule.params[j]),
+                    f16::from_f32(rule.params[j + 1]),
+                );
+                let base = dequant_code(codes[row * k + col], s, z).to_f32();
+                let delta = f16::from_f32(vals[row * k + col] - base);
+                entries[b * e + i] = col as u32 | (u32::from(delta.to_bits()) << 16);
+                count[row % TILE_ROWS] += 1;
+            }
+            // Unused entries (a block with fewer candidates) belong to its last row, δ = 0.
+            let mut acc = 0;
+            for (rr, c) in count.iter().enumerate() {
+                acc += c;
+                row_end[b * TILE_ROWS + rr] = if rr == TILE_ROWS - 1 { e as u32 } else { acc };
+            }
+        }
+        Some(Outliers {
+            per_block: e,
+            entries: Tensor::from_vec(entries, (n, e / 32), &dev)?,
+            row_end: Tensor::from_vec(row_end, (n, 1), &dev)?,
+        })
+    } else {
+        None
+    };
+    let codes = pack_codes(&q.codes, &dec.four)?;
+    Tiles::new(
+        (n, kl),
+        codes,
+        &dec.four,
+        TileScales::TwoLevel {
+            codes: dec.sc,
+            supers: dec.supers,
+        },
+        outliers,
+    )
+}
+
+/// Random `w2416` weights of `[n, k]` drawn on `dev` (speed rows only): codes and scale
+/// codes uniform, super scales around `1 / (255 √k)`, `cfg`'s 4-bit share (random tiles)
+/// and outliers (random positions in 2-bit tiles, small δ).
+pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) -> Result<Tiles> {
+    use rand::{Rng, SeedableRng};
+    check_tileable(n, k, "w2416 random")?;
+    let (r, g) = (n / TILE_ROWS, tile_cols(k));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let h4 = cfg.h4(n, k);
+    let mut four = vec![false; r * g];
+    for b in 0..r {
+        let mut cols: Vec<usize> = (0..g).collect();
+        for i in 0..h4 {
+            let j = rng.gen_range(i..g);
+            cols.swap(i, j);
+            four[b * g + cols[i]] = true;
+        }
+    }
+    let half_words = || -> Result<Tensor> {
+        Tensor::rand(0f32, 65535.99f32, (n, 4 * (g + h4)), dev)?.to_dtype(DType::U32)
+    };
+    let words = ((half_words()? * 65536.0)? + half_words()?)?;
+    let sc = Tensor::rand(0f32, 255.99f32, (n, 2 * g), dev)?.to_dtype(DType::U8)?;
+    let ds = (Tensor::rand(0.5f32, 1.5f32, (n, supers(k)), dev)?
+        * (1.0 / (255.0 * (k as f64).sqrt())))?
+    .to_dtype(DType::F16)?;
+    let e = cfg.per_block(k).min((g - h4) * TILE_COLS * TILE_ROWS);
+    let outliers = if e > 0 {
+        let mut entries = vec![0u32; r * e];
+        let mut row_end = vec![0u32; n];
+        for b in 0..r {
+            let two: Vec<usize> = (0..g).filter(|&j| !four[b * g + j]).collect();
+            let per_row = e / TILE_ROWS;
+            for rr in 0..TILE_ROWS {
+                let mut cols: Vec<u32> = (0..per_row)
+                    .map(|_| {
+                        let j = two[(rng.gen::<u32>() as usize) % two.len().max(1)];
+                        let width = TILE_COLS.min(k - j * TILE_COLS);
+                        (j * TILE_COLS + rng.gen_range(0..width)) as u32
+                    })
+                    .collect();
+                cols.sort_unstable();
+                for (i, c) in cols.into_iter().enumerate() {
+                    let d = f16::from_f32(rng.gen_range(-0.05f32..0.05));
+                    entries[b * e + rr * per_row + i] = c | (u32::from(d.to_bits()) << 16);
+                }
+                row_end[b * TILE_ROWS + rr] = if rr == TILE_ROWS - 1 {
+                    e as u32
+                } else {
+                    ((rr + 1) * per_row) as u32
+                };
+            }
+        }
+        Some(Outliers {
+            per_block: e,
+            entries: Tensor::from_vec(entries, (n, e / 32), dev)?,
+            row_end: Tensor::from_vec(row_end, (n, 1), dev)?,
+        })
+    } else {
+        None
+    };
+    Tiles::new(
+        (n, k),
+        words,
+        &four,
+        TileScales::TwoLevel {
+            codes: sc,
+            supers: ds,
+        },
+        outliers,
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// Packed weights and codec.
+
+/// A `[n, k]` weight in `w2416`.
+#[derive(Debug, Clone)]
+pub struct W2416Weights {
+    format: WeightFormat,
+    tiles: Tiles,
+}
+
+impl W2416Weights {
+    pub fn new(format: WeightFormat, tiles: Tiles) -> Self {
+        Self { format, tiles }
+    }
+
+    pub fn tiles(&self) -> &Tiles {
+        &self.tiles
+    }
+}
+
+impl LinearWeights for W2416Weights {
+    fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        (self.tiles.n, self.tiles.k)
+    }
+
+    fn bytes(&self) -> usize {
+        self.tiles.bytes()
+    }
+
+    fn encoding(&self) -> String {
+        let g = tile_cols(self.tiles.k);
+        format!(
+            "{} ({}/{} tiles 4-bit, {} outliers per 32 rows)",
+            self.format,
+            self.tiles.h4,
+            g,
+            self.tiles.outliers.as_ref().map_or(0, |o| o.per_block)
+        )
+    }
+
+    fn device(&self) -> Device {
+        self.tiles.device()
+    }
+
+    fn dequantize(&self) -> Result<Tensor> {
+        self.tiles.dequantize(DType::F32)
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        crate::ops::tiles_forward(&self.tiles, x)
+    }
+
+    fn plan(&self) -> Plan {
+        crate::ops::tiles_plan(&self.tiles, self.format)
+    }
+
+    fn forward_fused(&self, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>> {
+        crate::ops::tiles_fused(&self.tiles, e, x)
+    }
+
+    fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self.tiles.tensors())
+    }
+}
+
+/// `w2416` by round to nearest or GPTQ.
+pub struct W2416Codec {
+    pub gptq: bool,
+}
+
+impl Codec for W2416Codec {
+    fn quantize(
+        &self,
+        format: WeightFormat,
+        w: &Tensor,
+        hessian: Option<&Tensor>,
+        opts: &QuantOptions,
+    ) -> Result<Box<dyn LinearWeights>> {
+        let gptq = self.gptq.then_some(&opts.gptq);
+        let tiles = quantize(w, hessian, &opts.w2416, gptq)?;
+        Ok(Box::new(W2416Weights::new(format, tiles)))
+    }
+
+    fn rebuild(
+        &self,
+        format: WeightFormat,
+        (n, k): (usize, usize),
+        tensors: &HashMap<String, Tensor>,
+    ) -> Result<Box<dyn LinearWeights>> {
+        let get = |name: &str| super::field(tensors, name, format, (n, k)).cloned();
+        let four = Tiles::flags_of_mask(&get("mask")?, n, k)?;
+        let outliers = match (tensors.get("entries"), tensors.get("row_end")) {
+            (Some(e), Some(r)) => Some(Outliers {
+                per_block: e.dim(1)? * 32,
+                entries: e.clone(),
+                row_end: r.clone(),
+            }),
+            (None, None) => None,
+            _ => candle_core::bail!(
+                "{format}: a [{n}, {k}] layer has only one of 'entries' / 'row_end'"
+            ),
+        };
+        let tiles = Tiles::new(
+            (n, k),
+            get("codes")?,
+            &four,
+            TileScales::TwoLevel {
+                codes: get("scales")?,
+                supers: get("supers")?,
+            },
+            outliers,
+        )?;
+        Ok(Box::new(W2416Weights::new(format, tiles)))
+    }
+
+    fn random(
+        &self,
+        format: WeightFormat,
+        (n, k): (usize, usize),
+        opts: &QuantOptions,
+        seed: u64,
+        dev: &Device,
+    ) -> Option<Result<Box<dyn LinearWeights>>> {
+        Some(
+            random(n, k, &opts.w2416, seed, dev)
+                .map(|t| Box::new(W2416Weights::new(format, t)) as Box<dyn LinearWeights>),
+        )
+    }
+}

@@ -1,0 +1,462 @@
+//! Matmul and dequantize for tiled low-bit weights (`w2416`, and `int4` / `int2` in tiles;
+//! layout: `src/formats/w2416.rs`, kernels: `cuda/tiles.cu`).
+//!
+//! On the GPU with f16 activations and `m <=` [`TILES_MAX_M`] rows, one launch: codes
+//! dequantized in registers onto f16 tensor cores, outliers added in its epilogue (and,
+//! for the MLP's gate/up projection, SiLU·mul). Larger `m`: the weight is dequantized to
+//! f16 and candle's matmul (cuBLAS) runs. The CPU runs the reference
+//! ([`Tiles::dequantize_ref`] then a matmul in f32).
+
+use super::contiguous_slice;
+use crate::formats::w2416::Tiles;
+use crate::formats::{Epilogue, Plan, WeightFormat};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+/// Most activation rows of the fused kernel.
+pub const TILES_MAX_M: usize = 16;
+
+/// Kernel epilogues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Epi {
+    F16,
+    F32,
+    SiluMul,
+}
+
+fn on_cuda(t: &Tiles) -> bool {
+    t.device().is_cuda()
+}
+
+/// Whether the fused kernel takes `x`: GPU, f16, `1 <= m <= 16`, `k` the weight's.
+fn kernel_ok(t: &Tiles, x: &Tensor) -> bool {
+    let Ok((m, k)) = x.dims2() else { return false };
+    on_cuda(t) && x.dtype() == DType::F16 && (1..=TILES_MAX_M).contains(&m) && k == t.k
+}
+
+/// The plan of a tiled layer.
+pub fn tiles_plan(t: &Tiles, format: WeightFormat) -> Plan {
+    if !on_cuda(t) {
+        let why = || Err("the CPU runs the reference (dequantize + matmul)".to_string());
+        return Plan {
+            matmul: format!("{format}: reference dequantize + matmul on the CPU"),
+            silu_mul: why(),
+            f32_out: why(),
+        };
+    }
+    let silu = if (t.n / 2).is_multiple_of(32) && t.n.is_multiple_of(64) {
+        Ok(())
+    } else {
+        Err(format!(
+            "gate/up rows {} are not two halves of whole 32-row blocks",
+            t.n
+        ))
+    };
+    Plan {
+        matmul: format!(
+            "{format}: tiled tensor-core kernel for f16 at m <= {TILES_MAX_M} (dequantized in registers), \
+             dequantize to f16 + cuBLAS above"
+        ),
+        silu_mul: silu,
+        f32_out: Ok(()),
+    }
+}
+
+/// `x` `[m, k]` · Wᵀ → `[m, n]` in `x`'s dtype (f32, f16, bf16).
+pub fn tiles_forward(t: &Tiles, x: &Tensor) -> Result<Tensor> {
+    let (_, k) = x.dims2()?;
+    if k != t.k {
+        candle_core::bail!(
+            "tiles: input {:?} for a [{}, {}] weight",
+            x.shape(),
+            t.n,
+            t.k
+        )
+    }
+    if kernel_ok(t, x) {
+        return tiles_matmul(t, x, Epi::F16);
+    }
+    match x.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => x.matmul(&t.dequantize(x.dtype())?.t()?),
+        dt => candle_core::bail!("tiles: unsupported input dtype {dt:?} (f32, f16, bf16)"),
+    }
+}
+
+/// The fused path `e` where it applies to `x`.
+pub fn tiles_fused(t: &Tiles, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>> {
+    if !kernel_ok(t, x) {
+        return None;
+    }
+    match e {
+        Epilogue::F32Out => Some(tiles_matmul(t, x, Epi::F32)),
+        Epilogue::SiluMul => {
+            if !(t.n / 2).is_multiple_of(32) || !t.n.is_multiple_of(64) {
+                return None;
+            }
+            Some(tiles_matmul(t, x, Epi::SiluMul))
+        }
+    }
+}
+
+/// The kernel, validated: `x` f16 `[m <= 16, k]` on the GPU.
+fn tiles_matmul(t: &Tiles, x: &Tensor, epi: Epi) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    if x.dtype() != DType::F16 || !(1..=TILES_MAX_M).contains(&m) || k != t.k {
+        candle_core::bail!(
+            "tiles_matmul: x {:?} {:?} (want f16 [1..={TILES_MAX_M}, {}])",
+            x.shape(),
+            x.dtype(),
+            t.k
+        )
+    }
+    x.contiguous()?.apply_op1_no_bwd(&TilesMatmul {
+        tiles: t.clone(),
+        epi,
+    })
+}
+
+/// The weight `[n, k]` in `dtype` (f32, f16 or bf16).
+pub fn tiles_dequantize(t: &Tiles, dtype: DType) -> Result<Tensor> {
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        candle_core::bail!("tiles_dequantize: unsupported output dtype {dtype:?}")
+    }
+    t.codes.apply_op1_no_bwd(&TilesDequantize {
+        tiles: t.clone(),
+        dtype,
+    })
+}
+
+fn to_storage(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(v),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        dt => candle_core::bail!("tiles: unsupported dtype {dt:?}"),
+    })
+}
+
+struct TilesMatmul {
+    tiles: Tiles,
+    epi: Epi,
+}
+
+impl CustomOp1 for TilesMatmul {
+    fn name(&self) -> &'static str {
+        "tiles-matmul"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (m, k) = l.shape().dims2()?;
+        let n = self.tiles.n;
+        let x: Vec<f32> = match s {
+            CpuStorage::F16(_) => contiguous_slice::<f16>(s, l, "x")?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            _ => candle_core::bail!("tiles_matmul: x must be f16"),
+        };
+        let w = self.tiles.dequantize_ref()?;
+        let mut y = vec![0f32; m * n];
+        for i in 0..m {
+            for r in 0..n {
+                y[i * n + r] = (0..k).map(|j| x[i * k + j] * w[r * k + j]).sum();
+            }
+        }
+        match self.epi {
+            Epi::F16 => Ok((to_storage(y, DType::F16)?, Shape::from((m, n)))),
+            Epi::F32 => Ok((CpuStorage::F32(y), Shape::from((m, n)))),
+            Epi::SiluMul => {
+                let h = n / 2;
+                let r16 = |v: f32| f16::from_f32(v).to_f32();
+                let out = (0..m * h)
+                    .map(|idx| {
+                        let (i, c) = (idx / h, idx % h);
+                        let (g, u) = (r16(y[i * n + c]), r16(y[i * n + h + c]));
+                        f16::from_f32(r16(g / (1.0 + (-g).exp())) * u)
+                    })
+                    .collect();
+                Ok((CpuStorage::F16(out), Shape::from((m, h))))
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::matmul(&self.tiles, self.epi, s, l)
+    }
+}
+
+struct TilesDequantize {
+    tiles: Tiles,
+    dtype: DType,
+}
+
+impl CustomOp1 for TilesDequantize {
+    fn name(&self) -> &'static str {
+        "tiles-dequantize"
+    }
+
+    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let w = self.tiles.dequantize_ref()?;
+        Ok((
+            to_storage(w, self.dtype)?,
+            Shape::from((self.tiles.n, self.tiles.k)),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _s: &candle_core::CudaStorage,
+        _l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::dequantize(&self.tiles, self.dtype)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{Epi, Tiles};
+    use crate::formats::w2416::TileScales;
+    use crate::kernels::{contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, Arg};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig};
+    use candle_core::cuda_backend::{CudaDType, CudaStorage};
+    use candle_core::{DType, Layout, Result, Shape, Storage, Tensor};
+    use half::{bf16, f16};
+
+    const THREADS: u32 = 256;
+
+    /// Run `f` with a contiguous device view of `t`.
+    fn view<T: CudaDType + DeviceRepr, R>(
+        t: &Tensor,
+        what: &str,
+        f: impl FnOnce(CudaView<'_, T>) -> Result<R>,
+    ) -> Result<R> {
+        let (st, l) = t.storage_and_layout();
+        let Storage::Cuda(cs) = &*st else {
+            candle_core::bail!("tiles: {what} must be on the GPU")
+        };
+        f(contiguous_view::<T>(cs, l, what)?)
+    }
+
+    fn sm_count(dev: &candle_core::CudaDevice) -> Result<usize> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+        let n = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(candle_core::Error::wrap)?;
+        Ok(n.max(1) as usize)
+    }
+
+    /// Blocks per cluster: the fewest (1, 2, 4, 8) that give two blocks per SM, with every
+    /// warp at least two tile columns (`CANDLE_LOWBIT_TILES_KS` overrides, for measuring).
+    fn cluster(pairs: usize, g: usize, sms: usize) -> usize {
+        static KS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let forced = *KS.get_or_init(|| {
+            std::env::var("CANDLE_LOWBIT_TILES_KS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|v: &usize| [1, 2, 4, 8].contains(v))
+        });
+        if let Some(ks) = forced {
+            return ks;
+        }
+        let mut ks = 1;
+        while ks < 8 && pairs * ks < 2 * sms && g >= 8 * (2 * ks) * 2 {
+            ks *= 2;
+        }
+        ks
+    }
+
+    /// The scale tensors as kernel arguments: (two-level?, sc, supers, plain, group).
+    fn scale_tensors(
+        t: &Tiles,
+    ) -> (
+        bool,
+        Option<&Tensor>,
+        Option<&Tensor>,
+        Option<&Tensor>,
+        usize,
+    ) {
+        match &t.scales {
+            TileScales::TwoLevel { codes, supers } => (true, Some(codes), Some(supers), None, 64),
+            TileScales::Plain { group, sz } => (false, None, None, Some(sz), *group),
+        }
+    }
+
+    type Stream = std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>;
+
+    /// Device address of an optional tensor (0 where absent), with its guard kept by `f`.
+    fn with_opt<T: CudaDType + DeviceRepr, R>(
+        t: Option<&Tensor>,
+        what: &str,
+        stream: &Stream,
+        f: impl FnOnce(Arg) -> Result<R>,
+    ) -> Result<R> {
+        match t {
+            None => f(Arg::Ptr(0)),
+            Some(t) => view::<T, R>(t, what, |v| {
+                let (p, _g) = dptr(&v, stream);
+                f(p)
+            }),
+        }
+    }
+
+    /// Weight arguments: codes, desc, sc, supers, plain, entries, row_end.
+    fn with_weights<R>(
+        t: &Tiles,
+        stream: &Stream,
+        f: impl FnOnce([Arg; 7]) -> Result<R>,
+    ) -> Result<R> {
+        let (_, sc, sup, plain, _) = scale_tensors(t);
+        let (ent, rend) = match &t.outliers {
+            Some(o) => (Some(&o.entries), Some(&o.row_end)),
+            None => (None, None),
+        };
+        with_opt::<u32, R>(Some(&t.codes), "codes", stream, |codes| {
+            with_opt::<u32, R>(Some(&t.desc), "desc", stream, |desc| {
+                with_opt::<u8, R>(sc, "scales", stream, |sc| {
+                    with_opt::<f16, R>(sup, "supers", stream, |sup| {
+                        with_opt::<f16, R>(plain, "scales", stream, |plain| {
+                            with_opt::<u32, R>(ent, "entries", stream, |ent| {
+                                with_opt::<u32, R>(rend, "row_end", stream, |rend| {
+                                    f([codes, desc, sc, sup, plain, ent, rend])
+                                })
+                            })
+                        })
+                    })
+                })
+            })
+        })
+    }
+
+    pub(super) fn matmul(
+        t: &Tiles,
+        epi: Epi,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (m, k) = l.shape().dims2()?;
+        let (n, r, g) = (t.n, t.n / 32, crate::formats::w2416::tile_cols(t.k));
+        let dev = s.device().clone();
+        let stream = dev.cuda_stream();
+        let x = contiguous_view::<f16>(s, l, "x")?;
+        let (two, _, _, _, group) = scale_tensors(t);
+        let (out_cols, pairs) = match epi {
+            Epi::SiluMul => (n / 2, r / 2),
+            _ => (n, r.div_ceil(2)),
+        };
+        let ks = cluster(pairs, g, sm_count(&dev)?);
+        let name = format!(
+            "tiles_mm_{}_{}_m{}",
+            if two { "two" } else { "plain" },
+            match epi {
+                Epi::F16 => "f16",
+                Epi::F32 => "f32",
+                Epi::SiluMul => "silu",
+            },
+            if m <= 8 { 8 } else { 16 }
+        );
+        let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
+        let e = t.outliers.as_ref().map_or(0, |o| o.per_block);
+        let cfg = LaunchConfig {
+            grid_dim: ((pairs * ks) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let launch = |out: Arg| -> Result<()> {
+            with_weights(t, &stream, |wa| {
+                let (xp, _gx) = dptr(&x, &stream);
+                let ints = [m, n, k, t.h4, e, group, ks].map(|v| Arg::I32(v as i32));
+                let mut args = vec![xp];
+                args.extend(wa);
+                args.push(out);
+                args.extend(ints);
+                unsafe {
+                    if ks > 1 {
+                        launch_pdl_cluster(&func, &stream, cfg, ks as u32, &args)
+                    } else {
+                        launch_pdl(&func, &stream, cfg, &args)
+                    }
+                }
+            })
+        };
+        let storage = if epi == Epi::F32 {
+            let out = unsafe { dev.alloc::<f32>(m * out_cols)? };
+            {
+                let (op, _g) = dptr(&out, &stream);
+                launch(op)?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        } else {
+            let out = unsafe { dev.alloc::<f16>(m * out_cols)? };
+            {
+                let (op, _g) = dptr(&out, &stream);
+                launch(op)?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        };
+        Ok((storage, Shape::from((m, out_cols))))
+    }
+
+    pub(super) fn dequantize(t: &Tiles, dtype: DType) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(t: &Tiles, suf: &str) -> Result<CudaStorage> {
+            let dev = match t.codes.device() {
+                candle_core::Device::Cuda(d) => d.clone(),
+                _ => candle_core::bail!("tiles: codes must be on the GPU"),
+            };
+            let stream = dev.cuda_stream();
+            let (n, k) = (t.n, t.k);
+            let (two, _, _, _, group) = scale_tensors(t);
+            let out = unsafe { dev.alloc::<T>(n * k)? };
+            let tiles = (n / 32) * crate::formats::w2416::tile_cols(k);
+            let name = format!(
+                "tiles_dequantize_{}_{suf}",
+                if two { "two" } else { "plain" }
+            );
+            let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
+            let cfg = LaunchConfig {
+                grid_dim: (tiles.div_ceil(8) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            {
+                let (op, _g) = dptr(&out, &stream);
+                with_weights(t, &stream, |wa| {
+                    let ints = [n, k, t.h4, group].map(|v| Arg::I32(v as i32));
+                    let args = [
+                        wa[0], wa[1], wa[2], wa[3], wa[4], op, ints[0], ints[1], ints[2], ints[3],
+                    ];
+                    unsafe { launch_pdl(&func, &stream, cfg, &args) }
+                })?;
+                if let Some(o) = &t.outliers {
+                    let f2 = dev.get_or_load_custom_func(
+                        &format!("tiles_add_outliers_{suf}"),
+                        "tiles",
+                        ptx::TILES,
+                    )?;
+                    let cfg2 = LaunchConfig::for_num_elems(n as u32);
+                    with_weights(t, &stream, |wa| {
+                        let ints = [n, k, o.per_block].map(|v| Arg::I32(v as i32));
+                        let args = [wa[5], wa[6], op, ints[0], ints[1], ints[2]];
+                        unsafe { launch_pdl(&f2, &stream, cfg2, &args) }
+                    })?;
+                }
+            }
+            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        }
+        let st = match dtype {
+            DType::F32 => run::<f32>(t, "f32")?,
+            DType::F16 => run::<f16>(t, "f16")?,
+            DType::BF16 => run::<bf16>(t, "bf16")?,
+            dt => candle_core::bail!("tiles_dequantize: unsupported output dtype {dt:?}"),
+        };
+        Ok((st, Shape::from((t.n, t.k))))
+    }
+}
