@@ -38,15 +38,21 @@
 // w = f16(q * scale + zero), rounded once. Two-level scales: scale = f16(sc * ds * (1/maxq)),
 // zero = f16(zc * scale / 8), in f32 without fused multiply-adds (the CPU reference's order).
 //
-// Work split (tiles_mm): a block of 8 warps owns two row blocks (plain: 2p and 2p + 1; SiLU·mul:
+// Work split (tiles_mm): a block of 4 warps owns two row blocks (plain: 2p and 2p + 1; SiLU·mul:
 // gate block p and up block p + R/2); warp w of cluster rank c takes tile columns
-// c * 8 + w, + 8 * KS, ...; every warp decodes both row blocks' tiles of its column, so 2-4
-// 16-byte loads per lane are in flight, and the next column's codes, scales and activations
-// are loaded before the current column is dequantized and multiplied (the asynchronous
-// dequantization of the paper, in registers). KS blocks (a thread-block cluster along x, KS
-// in 1, 2, 4, 8, chosen by the host to fill the GPU) split the columns; block rank 0 sums the
-// others' partial results from their shared memory, adds the outliers (lane = row, reading x
-// from L1) and writes y. Deterministic: fixed summation order.
+// c * 4 + w, + 4 * KS, ...; every warp decodes both row blocks' tiles of its column. The
+// asynchronous dequantization of the paper: each warp keeps TILES_STAGES columns in flight
+// (cp.async into its own shared-memory ring: codes and scales; the tile descriptors sit in
+// shared memory from the start), and the next column's activations in registers, while the
+// current column's scales are dequantized (two-level: in f32, in the shadow of the loads)
+// and its codes turned into f16 pairs and multiplied. Measured against a register double
+// buffer (one column ahead, 8 warps per block): 11008x4096 int4 m = 1 26.0 vs 24.7 us,
+// 4096x4096 13.3 vs 16.4 us (H200, 2026-12-01): neither streams at DRAM speed yet (the
+// per-warp instruction chains are latency-bound, BENCHMARKS.md). KS blocks (a thread-block
+// cluster along x, KS in 1, 2, 4, 8, chosen by the host to fill one wave) split the columns;
+// block rank 0 sums the others' partial results from their shared memory and writes y; the
+// outliers are added into the partial sums first, spread over every warp of the cluster
+// (lane = row, x read from L1). Deterministic: fixed summation order.
 //
 //   x  f16 [m, k], m <= 16 (MM = 8: m <= 8, fragment rows 8..15 never loaded)
 //   y  EPI 0: f16 [m, n]; EPI 1: f32 [m, n]; EPI 2: f16 [m, n / 2] = silu(gate) * up, rounded
@@ -56,7 +62,10 @@
 
 using namespace lowbit;
 
-#define TILES_NW 8
+#define TILES_NW 4
+#define TILES_STAGES 3
+// Most tile columns (k <= 64 * TILES_MAX_G = 65536; the entries' column field is 16 bits).
+#define TILES_MAX_G 1024
 
 __device__ __forceinline__ uint4 ld_stream4(const uint4* p) {
     uint4 v;
@@ -207,6 +216,49 @@ __device__ __forceinline__ TileSrc tile_src(const uint32_t* codes, const uint32_
     return s;
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const uint32_t sa = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+    const uint32_t sa = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(sa), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// One warp's ring of TILES_STAGES columns in flight: per stage and row block, the lane's
+// code chunks (a 2-bit tile fills chunk 0) and its 16 bytes of scales.
+struct WarpRing {
+    uint4 codes[TILES_STAGES][2][2][32];
+    uint4 scales[TILES_STAGES][2][32];
+};
+
+// Issue the copies of column g (both row blocks) into ring stage st.
+template <bool TWO>
+__device__ __forceinline__ void issue_column(WarpRing& ring, int st, const TileSrc (&src)[2], const uint32_t* desc_sh,
+                                             int G, bool valid1, int g, int lane) {
+    const int lg = lane >> 2;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+        if (b == 1 && !valid1) continue;
+        const uint32_t d = desc_sh[b * G + g];
+        const uint4* t = reinterpret_cast<const uint4*>(src[b].codes + (d & 0x7fffffffu));
+        cp_async16(&ring.codes[st][b][0][lane], t + lane);
+        if (d >> 31) cp_async16(&ring.codes[st][b][1][lane], t + 32 + lane);
+        uint2* sl = reinterpret_cast<uint2*>(&ring.scales[st][b][lane]);
+        if (TWO) {
+            cp_async8(sl, src[b].sc + (size_t)g * 64 + lg * 8);
+            cp_async8(sl + 1, src[b].sup + (size_t)(g / 16) * 32 + lg * 4);
+        } else {
+            cp_async16(sl, src[b].plain + (size_t)(g * 64 / src[b].group) * 64 + lg * 8);
+        }
+    }
+}
+
 template <bool TWO, int EPI, int MM>
 __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restrict__ codes,
                          const uint32_t* __restrict__ desc, const uint8_t* __restrict__ sc,
@@ -214,8 +266,15 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
                          const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end, void* y_out,
                          int m, int n, int k, int H, int E, int group, int ks) {
     pdl_trigger();
-    __shared__ float red[TILES_NW][2 * 16 * 32];
-    __shared__ float fin[2 * 16 * 32];
+    // The rings while the columns stream; the partial sums after (same memory).
+    __shared__ union Smem {
+        WarpRing ring[TILES_NW];
+        struct {
+            float red[TILES_NW][2 * 16 * 32];
+            float fin[2 * 16 * 32];
+        } out;
+    } sh;
+    __shared__ uint32_t desc_sh[2 * TILES_MAX_G];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = (k + 63) / 64, R = n / 32;
     const int rank = blockIdx.x % ks, pair = blockIdx.x / ks;
@@ -232,6 +291,11 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
 #pragma unroll
     for (int b = 0; b < 2; ++b)
         src[b] = tile_src(codes, desc, sc, sup, plain, group, b == 1 && !valid1 ? rbs[0] : rbs[b], G, H, k);
+    for (int i = threadIdx.x; i < G; i += blockDim.x) {
+        desc_sh[i] = __ldg(src[0].desc + i);
+        desc_sh[G + i] = __ldg(src[1].desc + i);
+    }
+    __syncthreads();
 
     float acc[2][4][4];
 #pragma unroll
@@ -241,36 +305,48 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[b][nb][i] = 0.f;
 
-    const int stride = TILES_NW * ks;
-    int g = rank * TILES_NW + warp;
-    TileFrag cur[2], nxt[2];
-    uint32_t a_cur[4][4], a_nxt[4][4];
-    if (g < G) {
-        load_tile<TWO>(cur[0], src[0], g, lane);
-        if (valid1) load_tile<TWO>(cur[1], src[1], g, lane);
+    // Weights stream in before pdl_wait (no kernel writes them).
+    const int stride = TILES_NW * ks, first = rank * TILES_NW + warp;
+    WarpRing& ring = sh.ring[warp];
+#pragma unroll
+    for (int s = 0; s < TILES_STAGES - 1; ++s) {
+        const int g = first + s * stride;
+        if (g < G) issue_column<TWO>(ring, s, src, desc_sh, G, valid1, g, lane);
+        cp_async_commit();
     }
     pdl_wait();
-    if (g < G) load_a<MM>(a_cur, x, m, k, g, lane);
-    for (; g < G; g += stride) {
+    uint32_t a_cur[4][4], a_nxt[4][4];
+    if (first < G) load_a<MM>(a_cur, x, m, k, first, lane);
+    for (int j = 0, g = first; g < G; ++j, g += stride) {
+        const int gi = g + (TILES_STAGES - 1) * stride;
+        if (gi < G) issue_column<TWO>(ring, (j + TILES_STAGES - 1) % TILES_STAGES, src, desc_sh, G, valid1, gi, lane);
+        cp_async_commit();
         const int gn = g + stride;
-        if (gn < G) {
-            load_tile<TWO>(nxt[0], src[0], gn, lane);
-            if (valid1) load_tile<TWO>(nxt[1], src[1], gn, lane);
-            load_a<MM>(a_nxt, x, m, k, gn, lane);
+        if (gn < G) load_a<MM>(a_nxt, x, m, k, gn, lane);
+        cp_async_wait<TILES_STAGES - 1>();
+        const int st = j % TILES_STAGES;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            if (b == 1 && !valid1) continue;
+            TileFrag f;
+            f.four = (desc_sh[b * G + g] >> 31) != 0;
+            f.c0 = ring.codes[st][b][0][lane];
+            f.c1 = f.four ? ring.codes[st][b][1][lane] : make_uint4(0, 0, 0, 0);
+            f.s = ring.scales[st][b][lane];
+            tile_mma<TWO>(f, a_cur, acc[b]);
         }
-        tile_mma<TWO>(cur[0], a_cur, acc[0]);
-        if (valid1) tile_mma<TWO>(cur[1], a_cur, acc[1]);
         if (gn < G) {
-            cur[0] = nxt[0];
-            cur[1] = nxt[1];
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) a_cur[kc][i] = a_nxt[kc][i];
         }
     }
+    cp_async_wait<0>();
+    __syncthreads();  // every ring is drained before its memory holds partial sums
 
     // Partial sums: red[warp][b][row m][weight row r].
+    float* red = sh.out.red[warp];
     const int gid = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int b = 0; b < 2; ++b)
@@ -279,48 +355,55 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int mi = gid + 8 * (i >> 1), r = nb * 8 + 2 * t + (i & 1);
-                red[warp][(b * 16 + mi) * 32 + r] = acc[b][nb][i];
+                red[(b * 16 + mi) * 32 + r] = acc[b][nb][i];
             }
+    __syncwarp();
+    // Outliers: lane = row; warp w of cluster rank c takes the row's entries c * NW + w,
+    // + NW * KS, ... (independent loads spread over the cluster, a fixed split: the sums
+    // stay deterministic).
+    if (E > 0) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            if (b == 1 && !valid1) continue;
+            const int rb = rbs[b], row = rb * 32 + lane;
+            const int start = lane == 0 ? 0 : (int)__ldg(row_end + row - 1);
+            const int end = (int)__ldg(row_end + row);
+            const uint32_t* ent = entries + (size_t)rb * E;
+            float part[MM];
+#pragma unroll
+            for (int i = 0; i < MM; ++i) part[i] = 0.f;
+            for (int e = start + rank * TILES_NW + warp; e < end; e += TILES_NW * ks) {
+                const uint32_t v = __ldg(ent + e);
+                const int col = (int)(v & 0xffffu);
+                const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+#pragma unroll
+                for (int i = 0; i < MM; ++i)
+                    if (i < m) part[i] += dlt * __half2float(x[(size_t)i * k + col]);
+            }
+#pragma unroll
+            for (int i = 0; i < MM; ++i)
+                if (i < m) red[(b * 16 + i) * 32 + lane] += part[i];
+        }
+    }
     __syncthreads();
     for (int idx = threadIdx.x; idx < 2 * 16 * 32; idx += blockDim.x) {
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < TILES_NW; ++w) s += red[w][idx];
-        red[0][idx] = s;
+        for (int w = 0; w < TILES_NW; ++w) s += sh.out.red[w][idx];
+        sh.out.red[0][idx] = s;
     }
     if (ks > 1) cluster_sync();
     else __syncthreads();
+    float* fin = sh.out.fin;
     if (rank == 0) {
         for (int idx = threadIdx.x; idx < 2 * 16 * 32; idx += blockDim.x) {
-            float s = red[0][idx];
-            for (int r = 1; r < ks; ++r) s += ld_cluster(&red[0][idx], (uint32_t)r);
+            float s = sh.out.red[0][idx];
+            for (int r = 1; r < ks; ++r) s += ld_cluster(&sh.out.red[0][idx], (uint32_t)r);
             fin[idx] = s;
         }
     }
     if (ks > 1) cluster_sync();
     if (rank != 0) return;
-    __syncthreads();
-    // Outliers: warp b, lane = row of block rbs[b].
-    if (E > 0 && warp < 2 && (warp == 0 || valid1)) {
-        const int rb = rbs[warp], row = rb * 32 + lane;
-        const int start = lane == 0 ? 0 : (int)__ldg(row_end + row - 1);
-        const int end = (int)__ldg(row_end + row);
-        const uint32_t* ent = entries + (size_t)rb * E;
-        float part[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) part[i] = 0.f;
-        for (int e = start; e < end; ++e) {
-            const uint32_t v = __ldg(ent + e);
-            const int col = (int)(v & 0xffffu);
-            const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
-#pragma unroll
-            for (int i = 0; i < MM; ++i)
-                if (i < m) part[i] += dlt * __half2float(x[(size_t)i * k + col]);
-        }
-#pragma unroll
-        for (int i = 0; i < MM; ++i)
-            if (i < m) fin[(warp * 16 + i) * 32 + lane] += part[i];
-    }
     __syncthreads();
     for (int idx = threadIdx.x; idx < 16 * 32 * 2; idx += blockDim.x) {
         const int b = idx / (16 * 32), i = (idx / 32) % 16, r = idx % 32;
@@ -363,16 +446,19 @@ TILES_MM(tiles_mm_plain_silu_m8, false, 2, 8)
 TILES_MM(tiles_mm_plain_silu_m16, false, 2, 16)
 
 // Dequantize: one warp per tile, w [n, k] T = f16(q * scale + zero) (outliers not added).
+// The tile is decoded into shared memory (fragment order), then written row by row, 16
+// bytes per lane (each of the tile's 32 rows is 128 contiguous bytes of w in f16).
 template <bool TWO, typename T>
 __device__ void tiles_dequantize(const uint32_t* __restrict__ codes, const uint32_t* __restrict__ desc,
                                  const uint8_t* __restrict__ sc, const __half* __restrict__ sup,
                                  const __half* __restrict__ plain, T* __restrict__ w, int n, int k, int H,
                                  int group) {
+    __shared__ T tile_sh[4][32][64];
     pdl_trigger();
     pdl_wait();
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = (k + 63) / 64, R = n / 32;
-    const long long tile = (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    const long long tile = (long long)blockIdx.x * (blockDim.x / 32) + warp;
     if (tile >= (long long)R * G) return;
     const int rb = (int)(tile / G), g = (int)(tile % G);
     const TileSrc src = tile_src(codes, desc, sc, sup, plain, group, rb, G, H, k);
@@ -383,34 +469,44 @@ __device__ void tiles_dequantize(const uint32_t* __restrict__ codes, const uint3
     for (int nb = 0; nb < 4; ++nb) {
         __half2 s2, z2;
         tile_scales<TWO>(f, nb, s2, z2);
-        const size_t row = (size_t)rb * 32 + lg + 8 * nb;
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
             for (int hb = 0; hb < 2; ++hb) {
                 uint32_t v = f.four ? tile_b<true>(f, nb, kc, hb, s2, z2) : tile_b<false>(f, nb, kc, hb, s2, z2);
                 const __half2 h = *reinterpret_cast<__half2*>(&v);
-                const size_t col = (size_t)g * 64 + kc * 16 + 2 * t + 8 * hb;
-                if (col < (size_t)k) {  // k is even: col + 1 < k too
-                    w[row * k + col] = from_f32<T>(__low2float(h));
-                    w[row * k + col + 1] = from_f32<T>(__high2float(h));
-                }
+                const int c = kc * 16 + 2 * t + 8 * hb;
+                tile_sh[warp][lg + 8 * nb][c] = from_f32<T>(__low2float(h));
+                tile_sh[warp][lg + 8 * nb][c + 1] = from_f32<T>(__high2float(h));
             }
+    }
+    __syncwarp();
+    const int cols = min(64, k - g * 64);  // even
+    for (int i = lane; i < 32 * 32; i += 32) {
+        const int r = i / 32, c = 2 * (i % 32);
+        if (c < cols) {
+            T* dst = w + ((size_t)rb * 32 + r) * k + (size_t)g * 64 + c;
+            dst[0] = tile_sh[warp][r][c];
+            dst[1] = tile_sh[warp][r][c + 1];
+        }
     }
 }
 
-// Outliers onto a dequantized weight: one thread per row, w[row, col] = T(w + delta).
+// Outliers onto a dequantized weight: one warp per row, lane j takes the row's entries j,
+// j + 32, ... (positions are distinct; unused entries, delta exactly 0, write nothing).
 template <typename T>
 __device__ void tiles_add_outliers(const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end,
                                    T* __restrict__ w, int n, int k, int E) {
     pdl_trigger();
     pdl_wait();
-    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (row >= n) return;
-    const int rb = row / 32, rr = row % 32;
+    const int rb = (int)(row / 32), rr = (int)(row % 32);
     const int start = rr == 0 ? 0 : (int)row_end[row - 1], end = (int)row_end[row];
-    for (int e = start; e < end; ++e) {
+    for (int e = start + lane; e < end; e += 32) {
         const uint32_t v = entries[(size_t)rb * E + e];
+        if ((v >> 16) == 0) continue;
         const size_t o = (size_t)row * k + (v & 0xffffu);
         w[o] = from_f32<T>(to_f32(w[o]) + __half2float(__ushort_as_half((unsigned short)(v >> 16))));
     }

@@ -336,6 +336,20 @@ fn tile_kernels_match_cpu() -> Result<()> {
         let what = format!("{} [{n}, {k}]", l.encoding());
         // Dequantize: the GPU's f32 weights are the CPU's bit for bit (w2416; the uniform
         // layer on the CPU dequantizes its own layout, so compare within f16 rounding).
+        // A tiled layer on the GPU saves exactly the tensors it was built from.
+        for ((na, a), (nb, b)) in l.tensors()?.iter().zip(g.tensors()?.iter()) {
+            assert_eq!(na, nb);
+            // Compare the raw bytes: u32 words through u32, everything else widened exactly.
+            let words = |t: &Tensor| -> Result<Vec<u32>> {
+                let t = t.to_device(&cpu)?.flatten_all()?;
+                Ok(match t.dtype() {
+                    DType::U32 => t.to_vec1::<u32>()?,
+                    DType::U8 => t.to_vec1::<u8>()?.into_iter().map(u32::from).collect(),
+                    _ => bits_of(&t)?,
+                })
+            };
+            assert_eq!(words(a)?, words(b)?, "{what}: stored tensor {na}");
+        }
         let (wc, wg) = (l.dequantize()?, g.dequantize()?);
         if l.format() == WeightFormat::W2416 {
             assert_eq!(

@@ -328,6 +328,20 @@ fn uniform_tiles_match_uniform_layout() -> Result<()> {
             map["zeros"].clone(),
         )?;
         let t = u.to_tiles()?;
+        // The tiles give back the stored layout exactly (what a tiled layer saves).
+        let (codes, scales, zeros) = t.uniform_parts()?;
+        assert_eq!(
+            codes.flatten_all()?.to_vec1::<u8>()?,
+            u.codes()?.flatten_all()?.to_vec1::<u8>()?,
+            "{f}: codes"
+        );
+        for (a, b) in [(&scales, &map["scales"]), (&zeros, &map["zeros"])] {
+            assert_eq!(
+                a.flatten_all()?.to_vec1::<half::f16>()?,
+                b.flatten_all()?.to_vec1::<half::f16>()?,
+                "{f}: scales / zeros"
+            );
+        }
         let a = q.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
         let b = t.dequantize_ref()?;
         for (i, (x, y)) in a.iter().zip(&b).enumerate() {

@@ -169,7 +169,7 @@ impl CalibArgs {
     /// The quantizer settings a checkpoint records.
     pub fn settings_json(&self, format: WeightFormat) -> serde_json::Value {
         let mut j = serde_json::json!({ "format": format.name() });
-        if format.uses_calibration() && self.source().is_some() {
+        if format.needs_calibration() {
             j["gptq"] = serde_json::json!({
                 "damp": self.gptq_damp,
                 "block": self.gptq_block,
@@ -177,6 +177,8 @@ impl CalibArgs {
                 "static_groups": self.gptq_act_order,
                 "clip_search": self.gptq_clip,
             });
+        }
+        if format.uses_calibration() && self.source().is_some() {
             j["calibration"] = serde_json::json!({
                 "samples": self.calib_samples,
                 "len": self.calib_len,

@@ -335,15 +335,27 @@ pub struct UniformWeights {
     format: WeightFormat,
     bits: u32,
     shape: (usize, usize),
+    /// The stored layout, or (on the GPU, for `int4` and `int2` where the shape tiles) the
+    /// same weight in the tile layout of `w2416`'s kernels, which then run every forward;
+    /// the stored tensors are rebuilt from the tiles when asked for (checkpoints).
+    enc: Encoded,
+}
+
+#[derive(Debug, Clone)]
+enum Encoded {
+    Stored(Stored),
+    Tiled(super::w2416::Tiles),
+}
+
+/// The stored tensors (module docs).
+#[derive(Debug, Clone)]
+struct Stored {
     /// u32 `[n, words_per_row(k, bits)]`.
     qweight: Tensor,
     /// f16 `[n, groups(k)]`.
     scales: Tensor,
     /// f16 `[n, groups(k)]`.
     zeros: Tensor,
-    /// The same weight in the tile layout of `w2416`'s kernels (built at load on the GPU for
-    /// `int4` and `int2` where the shape tiles), which then run every forward.
-    tiles: Option<super::w2416::Tiles>,
 }
 
 impl UniformWeights {
@@ -394,19 +406,36 @@ impl UniformWeights {
         )?;
         super::expect(&scales, "scales", &[n, groups(k)], DType::F16)?;
         super::expect(&zeros, "zeros", &[n, groups(k)], DType::F16)?;
+        let cuda = qweight.device().is_cuda();
         let mut w = Self {
             format,
             bits,
             shape: (n, k),
-            qweight,
-            scales,
-            zeros,
-            tiles: None,
+            enc: Encoded::Stored(Stored {
+                qweight,
+                scales,
+                zeros,
+            }),
         };
-        if w.qweight.device().is_cuda() && w.tileable() {
-            w.tiles = Some(w.to_tiles()?);
+        if cuda && w.tileable() {
+            w.enc = Encoded::Tiled(w.to_tiles()?);
         }
         Ok(w)
+    }
+
+    /// The stored tensors (rebuilt from the tiles where the weight is tiled: codes unpacked
+    /// and packed again, scales and zeros out of fragment order).
+    fn stored(&self) -> Result<Stored> {
+        let t = match &self.enc {
+            Encoded::Stored(st) => return Ok(st.clone()),
+            Encoded::Tiled(t) => t,
+        };
+        let (codes, scales, zeros) = t.uniform_parts()?;
+        Ok(Stored {
+            qweight: crate::ops::uniform_pack(&codes, self.bits)?,
+            scales,
+            zeros,
+        })
     }
 
     /// Whether the tile kernels take this weight: 4 or 2 bits, rows a multiple of 32,
@@ -418,6 +447,10 @@ impl UniformWeights {
     /// The codes u8 `[n, k]`, unpacked in tensor ops on the weight's device (2 or 4 bits).
     pub fn codes(&self) -> Result<Tensor> {
         let (n, k) = self.shape;
+        let st = match &self.enc {
+            Encoded::Stored(st) => st,
+            Encoded::Tiled(t) => return Ok(t.uniform_parts()?.0),
+        };
         if !matches!(self.bits, 2 | 4) {
             candle_core::bail!(
                 "{}: codes of {} bits are not unpacked here",
@@ -426,10 +459,10 @@ impl UniformWeights {
             )
         }
         let per = 32 / self.bits as usize;
-        let dev = self.qweight.device();
+        let dev = st.qweight.device();
         let pow: Vec<u32> = (0..per).map(|j| 1u32 << (self.bits as usize * j)).collect();
         let pow = Tensor::from_vec(pow, (1, 1, per), dev)?;
-        let q = self.qweight.unsqueeze(2)?.broadcast_div(&pow)?;
+        let q = st.qweight.unsqueeze(2)?.broadcast_div(&pow)?;
         // q mod 2^bits (candle's affine on u32 takes integer factors only).
         let base = Tensor::new(&[1u32 << self.bits], dev)?.reshape((1, 1, 1))?;
         let hi = q.broadcast_div(&base)?;
@@ -455,7 +488,11 @@ impl UniformWeights {
             codes = Tensor::cat(&[&codes, &pad], 1)?;
         }
         let codes = pack_codes(&codes, &four)?;
-        let scales = plain_scales(&self.scales, &self.zeros, GROUP)?;
+        if let Encoded::Tiled(t) = &self.enc {
+            return Ok(t.clone());
+        }
+        let st = self.stored()?;
+        let scales = plain_scales(&st.scales, &st.zeros, GROUP)?;
         Tiles::new((n, k), codes, &four, scales, None)
     }
 
@@ -463,16 +500,25 @@ impl UniformWeights {
         self.bits
     }
 
-    /// The weight `[n, k]` in `dtype` (the kernel on the GPU, the reference on the CPU).
+    /// The weight `[n, k]` in `dtype` as the stored layout defines it (the kernel on the
+    /// GPU, the reference on the CPU).
     pub fn dequantize_to(&self, dtype: DType) -> Result<Tensor> {
+        let st = self.stored()?;
         crate::ops::uniform_dequantize(
-            &self.qweight,
-            &self.scales,
-            &self.zeros,
+            &st.qweight,
+            &st.scales,
+            &st.zeros,
             self.shape.1,
             self.bits,
             dtype,
         )
+    }
+
+    fn tiles(&self) -> Option<&super::w2416::Tiles> {
+        match &self.enc {
+            Encoded::Tiled(t) => Some(t),
+            Encoded::Stored(_) => None,
+        }
     }
 }
 
@@ -486,7 +532,7 @@ impl LinearWeights for UniformWeights {
     }
 
     fn bytes(&self) -> usize {
-        if let Some(t) = &self.tiles {
+        if let Some(t) = self.tiles() {
             return t.bytes();
         }
         let (n, k) = self.shape;
@@ -494,7 +540,10 @@ impl LinearWeights for UniformWeights {
     }
 
     fn device(&self) -> Device {
-        self.qweight.device().clone()
+        match &self.enc {
+            Encoded::Stored(st) => st.qweight.device().clone(),
+            Encoded::Tiled(t) => t.device(),
+        }
     }
 
     fn dequantize(&self) -> Result<Tensor> {
@@ -502,7 +551,7 @@ impl LinearWeights for UniformWeights {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(t) = &self.tiles {
+        if let Some(t) = self.tiles() {
             return crate::ops::tiles_forward(t, x);
         }
         match x.dtype() {
@@ -515,11 +564,11 @@ impl LinearWeights for UniformWeights {
     }
 
     fn forward_fused(&self, e: super::Epilogue, x: &Tensor) -> Option<Result<Tensor>> {
-        crate::ops::tiles_fused(self.tiles.as_ref()?, e, x)
+        crate::ops::tiles_fused(self.tiles()?, e, x)
     }
 
     fn plan(&self) -> Plan {
-        if let Some(t) = &self.tiles {
+        if let Some(t) = self.tiles() {
             return crate::ops::tiles_plan(t, self.format);
         }
         let none =
@@ -535,10 +584,11 @@ impl LinearWeights for UniformWeights {
     }
 
     fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let st = self.stored()?;
         Ok(vec![
-            ("qweight".to_string(), self.qweight.clone()),
-            ("scales".to_string(), self.scales.clone()),
-            ("zeros".to_string(), self.zeros.clone()),
+            ("qweight".to_string(), st.qweight),
+            ("scales".to_string(), st.scales),
+            ("zeros".to_string(), st.zeros),
         ])
     }
 }

@@ -58,6 +58,25 @@
 //! super scales `16 / (64 · 16)`, tile descriptors (u32 per tile, built at load) 1/64,
 //! outliers `32 E / (32 k)` plus a u32 per row. At k = 4096, 0.5 % outliers and `h4` = 0.25 G:
 //! 2.5 + 0.25 + 0.016 + 0.016 + 0.16 + 0.008 = 2.95.
+//!
+//! # Decisions, and what measured them (H200, default model, full WikiText-2 test, ctx 512,
+//! in-sample calibration; BENCHMARKS.md "2/4/16-bit weights")
+//!
+//! - **Group = tile width = 64 columns**: one 16-byte load per lane holds a 2-bit group's
+//!   codes for the mma fragment layout; groups of 128 would halve the scale bytes (0.25 →
+//!   0.125 bits) but were not measured yet.
+//! - **4-bit share per layer** follows the budget alone (the same `h4` per 32-row block, the
+//!   tiles with the largest `Σ H_jj` error drop); per-layer shares were not searched. At
+//!   3.0 bits: 2 of 9 tiles in 576-wide rows, 6 of 24 in 1536-wide ones.
+//! - **Outliers**: u32 entries (column, f16 δ) sorted by row with a u32 row pointer — 32
+//!   bits per outlier plus 32 per row. w2416-gptq at 3.0 bits: 45.66 with 0.5 % outliers,
+//!   43.95 without (their bytes cost a 4-bit tile per block); round to nearest at 2.9 bits:
+//!   131.7 with, 166.6 without. The default keeps the paper's 0.5 %; `--outliers 0` is the
+//!   better GPTQ setting on this model.
+//! - **Zero in eighths of the step** (not an absolute code under the super scale): bounded
+//!   error for small groups next to large ones; not compared by perplexity.
+//! - **Range search** of 80 shrink factors with the Hessian diagonal as weights, for both
+//!   widths; the tiles' selection uses the errors after that search.
 
 use super::WeightFormat;
 use super::{Calibration, Codec, Epilogue, FormatSpec, LinearWeights, Plan, QuantOptions};
@@ -608,6 +627,63 @@ impl Tiles {
         crate::ops::tiles_dequantize(self, dtype)
     }
 
+    /// For tiles of one precision with plain scales (a uniform format's): its codes u8
+    /// `[n, k]` and f16 scales and zeros `[n, ⌈k / group⌉]`, in tensor ops on the tiles'
+    /// device (the inverse of [`pack_codes`] and [`plain_scales`]).
+    pub fn uniform_parts(&self) -> Result<(Tensor, Tensor, Tensor)> {
+        let (n, k) = (self.n, self.k);
+        let (r, g) = (n / TILE_ROWS, tile_cols(k));
+        let TileScales::Plain { sz, .. } = &self.scales else {
+            candle_core::bail!("tiles: two-level scales are not a uniform format's")
+        };
+        if self.h4 != 0 && self.h4 != g {
+            candle_core::bail!("tiles: mixed precisions are not a uniform format's")
+        }
+        let four = self.h4 == g;
+        let dev = self.codes.device();
+        let (per, bits, words) = if four { (8, 4, 256) } else { (16, 2, 128) };
+        let shifts: Vec<u32> = (0..per)
+            .map(|i| {
+                if four {
+                    let (kk, hb, e) = (i / 4, (i / 2) % 2, i % 2);
+                    (4 * (2 * kk + hb) + 16 * e) as u32
+                } else {
+                    let (kc, hb, e) = (i / 4, (i / 2) % 2, i % 2);
+                    (2 * (2 * kc + hb) + 16 * e) as u32
+                }
+            })
+            .collect();
+        let w = self.codes.reshape((r, g, words, 1))?;
+        let q = w.broadcast_div(&pow2s(&shifts, &[1, 1, 1, per], dev)?)?;
+        let base = Tensor::new(&[1u32 << bits], dev)?.reshape((1, 1, 1, 1))?;
+        let c = (&q
+            - q.broadcast_div(&base)?
+                .affine(f64::from(1u32 << bits), 0.0)?)?;
+        let c = if four {
+            // [R, G, nbh, lg, t, nbl, hh, kk, hb, e] -> [R, nbh, nbl, lg, G, hh, kk, hb, t, e]
+            c.reshape(vec![r, g, 2, 8, 4, 2, 2, 2, 2, 2])?
+                .permute(vec![0, 2, 5, 3, 1, 6, 7, 8, 4, 9])?
+        } else {
+            // [R, G, lg, t, nb, kc, hb, e] -> [R, nb, lg, G, kc, hb, t, e]
+            c.reshape(vec![r, g, 8, 4, 4, 4, 2, 2])?
+                .permute(vec![0, 4, 2, 1, 5, 6, 3, 7])?
+        };
+        let codes = c
+            .contiguous()?
+            .reshape((n, g * TILE_COLS))?
+            .narrow(1, 0, k)?
+            .to_dtype(DType::U8)?;
+        let sg = sz.dim(1)? / 2;
+        let p = sz
+            .reshape((r, sg, 8, 4, 2))?
+            .permute((0, 3, 2, 1, 4))?
+            .contiguous()?
+            .reshape((n, sg, 2))?;
+        let scales = p.narrow(2, 0, 1)?.squeeze(2)?.contiguous()?;
+        let zeros = p.narrow(2, 1, 1)?.squeeze(2)?.contiguous()?;
+        Ok((codes, scales, zeros))
+    }
+
     /// The stored tensors (module docs), by field name.
     pub fn tensors(&self) -> Vec<(String, Tensor)> {
         let mut v = vec![
@@ -1149,23 +1225,23 @@ pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) ->
             let two: Vec<usize> = (0..g).filter(|&j| !four[b * g + j]).collect();
             let per_row = e / TILE_ROWS;
             for rr in 0..TILE_ROWS {
-                let mut cols: Vec<u32> = (0..per_row)
-                    .map(|_| {
-                        let j = two[(rng.gen::<u32>() as usize) % two.len().max(1)];
-                        let width = TILE_COLS.min(k - j * TILE_COLS);
-                        (j * TILE_COLS + rng.gen_range(0..width)) as u32
-                    })
-                    .collect();
-                cols.sort_unstable();
+                // Distinct columns in the block's 2-bit tiles.
+                let mut cols = std::collections::BTreeSet::new();
+                let avail = two
+                    .iter()
+                    .map(|&j| TILE_COLS.min(k - j * TILE_COLS))
+                    .sum::<usize>();
+                while cols.len() < per_row.min(avail) {
+                    let j = two[(rng.gen::<u32>() as usize) % two.len().max(1)];
+                    let width = TILE_COLS.min(k - j * TILE_COLS);
+                    cols.insert((j * TILE_COLS + rng.gen_range(0..width)) as u32);
+                }
                 for (i, c) in cols.into_iter().enumerate() {
                     let d = f16::from_f32(rng.gen_range(-0.05f32..0.05));
                     entries[b * e + rr * per_row + i] = c | (u32::from(d.to_bits()) << 16);
                 }
-                row_end[b * TILE_ROWS + rr] = if rr == TILE_ROWS - 1 {
-                    e as u32
-                } else {
-                    ((rr + 1) * per_row) as u32
-                };
+                // Rows own per_row slots each (unused ones: δ = 0 at column 0).
+                row_end[b * TILE_ROWS + rr] = ((rr + 1) * per_row) as u32;
             }
         }
         Some(Outliers {

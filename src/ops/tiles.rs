@@ -31,8 +31,16 @@ fn on_cuda(t: &Tiles) -> bool {
 /// Whether the fused kernel takes `x`: GPU, f16, `1 <= m <= 16`, `k` the weight's.
 fn kernel_ok(t: &Tiles, x: &Tensor) -> bool {
     let Ok((m, k)) = x.dims2() else { return false };
-    on_cuda(t) && x.dtype() == DType::F16 && (1..=TILES_MAX_M).contains(&m) && k == t.k
+    on_cuda(t)
+        && x.dtype() == DType::F16
+        && (1..=TILES_MAX_M).contains(&m)
+        && k == t.k
+        && k <= TILES_MAX_K
 }
+
+/// Widest rows of the fused kernel (its descriptors sit in shared memory; the outlier
+/// entries' column field is 16 bits).
+pub const TILES_MAX_K: usize = 65536;
 
 /// The plan of a tiled layer.
 pub fn tiles_plan(t: &Tiles, format: WeightFormat) -> Plan {
@@ -101,9 +109,9 @@ pub fn tiles_fused(t: &Tiles, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>>
 /// The kernel, validated: `x` f16 `[m <= 16, k]` on the GPU.
 fn tiles_matmul(t: &Tiles, x: &Tensor, epi: Epi) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
-    if x.dtype() != DType::F16 || !(1..=TILES_MAX_M).contains(&m) || k != t.k {
+    if x.dtype() != DType::F16 || !(1..=TILES_MAX_M).contains(&m) || k != t.k || k > TILES_MAX_K {
         candle_core::bail!(
-            "tiles_matmul: x {:?} {:?} (want f16 [1..={TILES_MAX_M}, {}])",
+            "tiles_matmul: x {:?} {:?} (want f16 [1..={TILES_MAX_M}, {}], k <= {TILES_MAX_K})",
             x.shape(),
             x.dtype(),
             t.k
@@ -229,7 +237,9 @@ mod cuda {
     use candle_core::{DType, Layout, Result, Shape, Storage, Tensor};
     use half::{bf16, f16};
 
-    const THREADS: u32 = 256;
+    /// Warps per block of `tiles_mm` (TILES_NW) and threads per block of the kernels.
+    const WARPS: usize = 4;
+    const THREADS: u32 = 128;
 
     /// Run `f` with a contiguous device view of `t`.
     fn view<T: CudaDType + DeviceRepr, R>(
@@ -254,8 +264,11 @@ mod cuda {
         Ok(n.max(1) as usize)
     }
 
-    /// Blocks per cluster: the fewest (1, 2, 4, 8) that give two blocks per SM, with every
-    /// warp at least two tile columns (`CANDLE_LOWBIT_TILES_KS` overrides, for measuring).
+    /// Blocks per cluster (1, 2, 4, 8): the most that keep the grid within one wave of
+    /// resident blocks (five per SM: registers and shared memory), with every warp at least
+    /// two tile columns (`CANDLE_LOWBIT_TILES_KS` overrides, for measuring). Measured on the
+    /// H200 at m = 1 (int4, µs for ks 1 / 2 / 4 / 8): 4096x4096 21.9 / 22.3 / 16.2 / 13.3,
+    /// 11008x4096 40.2 / 26.0 / 26.1 / 35.1 (ks 4 and 8 spill into a second wave there).
     fn cluster(pairs: usize, g: usize, sms: usize) -> usize {
         static KS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
         let forced = *KS.get_or_init(|| {
@@ -268,7 +281,7 @@ mod cuda {
             return ks;
         }
         let mut ks = 1;
-        while ks < 8 && pairs * ks < 2 * sms && g >= 8 * (2 * ks) * 2 {
+        while ks < 8 && pairs * ks * 2 <= 5 * sms && g >= WARPS * (2 * ks) * 2 {
             ks *= 2;
         }
         ks
@@ -422,7 +435,7 @@ mod cuda {
             );
             let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
             let cfg = LaunchConfig {
-                grid_dim: (tiles.div_ceil(8) as u32, 1, 1),
+                grid_dim: (tiles.div_ceil(THREADS as usize / 32) as u32, 1, 1),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -441,7 +454,11 @@ mod cuda {
                         "tiles",
                         ptx::TILES,
                     )?;
-                    let cfg2 = LaunchConfig::for_num_elems(n as u32);
+                    let cfg2 = LaunchConfig {
+                        grid_dim: (n.div_ceil(THREADS as usize / 32) as u32, 1, 1),
+                        block_dim: (THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
                     with_weights(t, &stream, |wa| {
                         let ints = [n, k, o.per_block].map(|v| Arg::I32(v as i32));
                         let args = [wa[5], wa[6], op, ints[0], ints[1], ints[2]];
