@@ -264,9 +264,10 @@ mod cuda {
         Ok(n.max(1) as usize)
     }
 
-    /// Blocks per cluster (1, 2, 4, 8): the most that keep the grid within one wave of
-    /// resident blocks (five per SM: registers and shared memory), with every warp at least
-    /// two tile columns (`CANDLE_LOWBIT_TILES_KS` overrides, for measuring). Measured on the
+    /// Blocks per cluster (1 to 8): as many as fit one wave of resident blocks (five per SM:
+    /// registers and shared memory), with every warp at least two tile columns
+    /// (`CANDLE_LOWBIT_TILES_KS` overrides, for measuring). The kernel is latency-bound per
+    /// warp (BENCHMARKS.md), so its time follows the columns each warp walks: measured on the
     /// H200 at m = 1 (int4, µs for ks 1 / 2 / 4 / 8): 4096x4096 21.9 / 22.3 / 16.2 / 13.3,
     /// 11008x4096 40.2 / 26.0 / 26.1 / 35.1 (ks 4 and 8 spill into a second wave there).
     fn cluster(pairs: usize, g: usize, sms: usize) -> usize {
@@ -275,16 +276,14 @@ mod cuda {
             std::env::var("CANDLE_LOWBIT_TILES_KS")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .filter(|v: &usize| [1, 2, 4, 8].contains(v))
+                .filter(|v: &usize| (1..=8).contains(v))
         });
         if let Some(ks) = forced {
             return ks;
         }
-        let mut ks = 1;
-        while ks < 8 && pairs * ks * 2 <= 5 * sms && g >= WARPS * (2 * ks) * 2 {
-            ks *= 2;
-        }
-        ks
+        let wave = 5 * sms / pairs.max(1);
+        let columns = g / (WARPS * 2);
+        wave.min(columns).clamp(1, 8)
     }
 
     /// The scale tensors as kernel arguments: (two-level?, sc, supers, plain, group).
