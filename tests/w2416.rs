@@ -354,3 +354,39 @@ fn uniform_tiles_match_uniform_layout() -> Result<()> {
     }
     Ok(())
 }
+
+/// Random weights drawn directly in the format (the bench's models too large to quantize):
+/// a valid layout with the budget's 4-bit share, distinct outlier columns per row inside
+/// 2-bit tiles, and finite values.
+#[test]
+fn random_weights_are_a_valid_layout() -> Result<()> {
+    let cpu = Device::Cpu;
+    let (n, k) = (96, 1000);
+    let cfg = W2416Config::default();
+    let t = w2416::random(n, k, &cfg, 5, &cpu)?;
+    assert_eq!(t.h4, cfg.h4(n, k));
+    let four = t.flags()?;
+    let g = tile_cols(k);
+    let mut seen = std::collections::HashSet::new();
+    for (row, col, d) in t.outliers_ref()? {
+        if d.to_f32() == 0.0 {
+            continue; // unused slots
+        }
+        assert!(
+            !four[(row / TILE_ROWS) * g + col / TILE_COLS],
+            "outlier in a 4-bit tile"
+        );
+        assert!(seen.insert((row, col)), "outlier [{row}, {col}] twice");
+    }
+    assert!(!seen.is_empty());
+    let w = t.dequantize_ref()?;
+    assert_eq!(w.len(), n * k);
+    assert!(w.iter().all(|v| v.is_finite()));
+    let f = WeightFormat::W2416;
+    let l = f
+        .spec()
+        .codec
+        .random(f, (n, k), &QuantOptions::default(), 5, &cpu);
+    assert_eq!(l.expect("w2416 draws random weights")?.shape(), (n, k));
+    Ok(())
+}

@@ -186,8 +186,9 @@ impl CalibArgs {
                 "sequential": true,
             });
         }
-        if matches!(format, WeightFormat::W2416 | WeightFormat::W2416Gptq) {
-            j["w2416"] = serde_json::json!({ "bits": self.bits, "outliers": self.outliers });
+        let own = format.spec().codec.settings(&self.quant_options());
+        if !own.is_null() {
+            j[format.spec().stores_as.unwrap_or(format).name()] = own;
         }
         j
     }

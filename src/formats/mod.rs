@@ -106,6 +106,13 @@ pub trait Codec: Sync {
         tensors: &std::collections::HashMap<String, Tensor>,
     ) -> Result<Box<dyn LinearWeights>>;
 
+    /// The settings of `opts` this format reads, for a checkpoint's or a tool's record
+    /// (`Null` where it reads none of its own; GPTQ's are recorded by the tools).
+    fn settings(&self, opts: &QuantOptions) -> serde_json::Value {
+        let _ = opts;
+        serde_json::Value::Null
+    }
+
     /// Random packed weights of `shape` drawn on `dev` (codes, scales, outliers: speed
     /// measurements of models too large to quantize), where the format offers it.
     fn random(

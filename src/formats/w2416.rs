@@ -1383,6 +1383,10 @@ impl Codec for W2416Codec {
         Ok(Box::new(W2416Weights::new(format, tiles)))
     }
 
+    fn settings(&self, opts: &QuantOptions) -> serde_json::Value {
+        serde_json::json!({ "bits": opts.w2416.bits, "outliers": opts.w2416.outliers })
+    }
+
     fn random(
         &self,
         format: WeightFormat,
