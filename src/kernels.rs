@@ -18,6 +18,20 @@ mod cuda {
     use candle_core::{Layout, Result};
     use std::ffi::c_void;
 
+    /// Run `f` with a contiguous device view of `t` (which must live on the GPU), naming
+    /// `what` in the errors.
+    pub fn with_view<T: CudaDType + DeviceRepr, R>(
+        t: &candle_core::Tensor,
+        what: &str,
+        f: impl FnOnce(CudaView<'_, T>) -> Result<R>,
+    ) -> Result<R> {
+        let (st, l) = t.storage_and_layout();
+        let candle_core::Storage::Cuda(cs) = &*st else {
+            candle_core::bail!("{what} must be on the GPU")
+        };
+        f(contiguous_view::<T>(cs, l, what)?)
+    }
+
     /// The contiguous view of `storage` that `layout` describes, or an error naming `what`.
     pub fn contiguous_view<'a, T: CudaDType + DeviceRepr>(
         storage: &'a CudaStorage,

@@ -2,11 +2,11 @@
 //! Shapes and dtypes are validated by the callers in `decode.rs`.
 
 use super::{Heads, StepPositions};
-use crate::kernels::{contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, Arg};
+use crate::kernels::{contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, with_view, Arg};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
-use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
+use candle_core::{DType, Layout, Result, Tensor, WithDType};
 use half::{bf16, f16};
 
 /// Threads per block of `attn_decode` and rounds of loads in flight per thread
@@ -21,19 +21,6 @@ fn suffix(dt: DType) -> Result<&'static str> {
         DType::BF16 => "bf16",
         dt => candle_core::bail!("unsupported dtype {dt:?} (f32, f16, bf16)"),
     })
-}
-
-/// Run `f` with a contiguous device view of `t` (which must live on the GPU).
-fn with_view<T: CudaDType + DeviceRepr, R>(
-    t: &Tensor,
-    what: &str,
-    f: impl FnOnce(CudaView<'_, T>) -> Result<R>,
-) -> Result<R> {
-    let (st, l) = t.storage_and_layout();
-    let Storage::Cuda(cs) = &*st else {
-        candle_core::bail!("{what} must be on the GPU")
-    };
-    f(contiguous_view::<T>(cs, l, what)?)
 }
 
 fn grid(x: usize, y: usize, z: usize, threads: u32, smem: u32) -> LaunchConfig {

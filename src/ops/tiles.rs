@@ -230,29 +230,18 @@ impl CustomOp1 for TilesDequantize {
 mod cuda {
     use super::{Epi, Tiles};
     use crate::formats::w2416::TileScales;
-    use crate::kernels::{contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, Arg};
+    use crate::kernels::{
+        contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, with_view, Arg,
+    };
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
-    use candle_core::{DType, Layout, Result, Shape, Storage, Tensor};
+    use candle_core::{DType, Layout, Result, Shape, Tensor};
     use half::{bf16, f16};
 
     /// Warps per block of `tiles_mm` (TILES_NW) and threads per block of the kernels.
     const WARPS: usize = 4;
     const THREADS: u32 = 128;
-
-    /// Run `f` with a contiguous device view of `t`.
-    fn view<T: CudaDType + DeviceRepr, R>(
-        t: &Tensor,
-        what: &str,
-        f: impl FnOnce(CudaView<'_, T>) -> Result<R>,
-    ) -> Result<R> {
-        let (st, l) = t.storage_and_layout();
-        let Storage::Cuda(cs) = &*st else {
-            candle_core::bail!("tiles: {what} must be on the GPU")
-        };
-        f(contiguous_view::<T>(cs, l, what)?)
-    }
 
     fn sm_count(dev: &candle_core::CudaDevice) -> Result<usize> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
@@ -313,7 +302,7 @@ mod cuda {
     ) -> Result<R> {
         match t {
             None => f(Arg::Ptr(0)),
-            Some(t) => view::<T, R>(t, what, |v| {
+            Some(t) => with_view::<T, R>(t, what, |v| {
                 let (p, _g) = dptr(&v, stream);
                 f(p)
             }),
