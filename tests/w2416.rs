@@ -164,7 +164,7 @@ fn precision_follows_sensitivity_and_budget() -> Result<()> {
         bits: 2.9,
         outliers: 0.0,
     };
-    let h4 = cfg.h4(n, k);
+    let h4 = cfg.h4(k);
     assert!(h4 >= 2, "budget 2.9 bits leaves {h4} 4-bit tiles of {g}");
     let t = w2416::quantize(&w, None, &cfg, None)?;
     assert_eq!(t.h4, h4);
@@ -364,7 +364,7 @@ fn random_weights_are_a_valid_layout() -> Result<()> {
     let (n, k) = (96, 1000);
     let cfg = W2416Config::default();
     let t = w2416::random(n, k, &cfg, 5, &cpu)?;
-    assert_eq!(t.h4, cfg.h4(n, k));
+    assert_eq!(t.h4, cfg.h4(k));
     let four = t.flags()?;
     let g = tile_cols(k);
     let mut seen = std::collections::HashSet::new();

@@ -656,8 +656,7 @@ impl Codec for UniformCodec {
                 dev.set_seed(seed)?;
             }
             let (w, g) = (words_per_row(k, self.bits), groups(k));
-            let half = || Tensor::rand(0f32, 65535.99f32, (n, w), dev)?.to_dtype(DType::U32);
-            let mut q = ((half()? * 65536.0)? + half()?)?;
+            let mut q = super::w2416::random_words((n, w), dev)?;
             if !(k * self.bits as usize).is_multiple_of(32) {
                 // Zero the padding bits of each row's last word (the layout asks for it).
                 let keep = (k * self.bits as usize) % 32;

@@ -384,7 +384,7 @@ impl Tiles {
         match &scales {
             TileScales::TwoLevel { codes: sc, supers } => {
                 super::expect(sc, "scales", &[n, 2 * g], DType::U8)?;
-                super::expect(supers, "supers", &[n, supers_of(k)], DType::F16)?;
+                super::expect(supers, "supers", &[n, self::supers(k)], DType::F16)?;
             }
             TileScales::Plain { group, sz } => {
                 if *group == 0 || !group.is_multiple_of(TILE_COLS) {
@@ -466,7 +466,7 @@ impl Tiles {
         let g = tile_cols(k);
         let mut b = n * 16 * (g + self.h4) + (n / TILE_ROWS) * g * 4;
         b += match &self.scales {
-            TileScales::TwoLevel { .. } => n * (2 * g + 2 * supers_of(k)),
+            TileScales::TwoLevel { .. } => n * (2 * g + 2 * supers(k)),
             TileScales::Plain { group, .. } => n * 4 * k.div_ceil(*group),
         };
         if let Some(o) = &self.outliers {
@@ -531,7 +531,7 @@ impl Tiles {
                     .flatten_all()?
                     .to_device(&Device::Cpu)?
                     .to_vec1::<f16>()?;
-                let s = supers_of(k);
+                let s = supers(k);
                 for row in 0..n {
                     for j in 0..g {
                         let c = sc[fragment_index(row, j, 0, g, 2)];
@@ -702,10 +702,6 @@ impl Tiles {
     }
 }
 
-fn supers_of(k: usize) -> usize {
-    supers(k)
-}
-
 /// Plain (uniform-format) scales in tile order from f16 `scales`, `zeros` `[n, ⌈k / group⌉]`.
 pub fn plain_scales(scales: &Tensor, zeros: &Tensor, group: usize) -> Result<TileScales> {
     let sz = Tensor::stack(&[scales, zeros], 2)?;
@@ -743,15 +739,14 @@ impl W2416Config {
         ((e / 32.0).round() as usize) * 32
     }
 
-    /// 4-bit tiles per block for `[n, k]`: the most whose bytes fit the budget.
-    pub fn h4(&self, n: usize, k: usize) -> usize {
+    /// 4-bit tiles per block for rows of `k`: the most whose bytes fit the budget.
+    pub fn h4(&self, k: usize) -> usize {
         let (g, e) = (tile_cols(k), self.per_block(k));
         // Bytes per 32-row block besides the 4-bit codes' extra 2 bits.
         let row_end = if e > 0 { 4 } else { 0 };
         let fixed = TILE_ROWS * (16 * g + 2 * g + 2 * supers(k) + row_end) + 4 * g + 4 * e;
         let budget = self.bits * (TILE_ROWS * k) as f64 / 8.0;
         let spare = budget - fixed as f64;
-        let _ = n;
         if spare <= 0.0 {
             0
         } else {
@@ -861,7 +856,7 @@ fn decide(w: &Tensor, diag: &Tensor, cfg: &W2416Config, kl: usize) -> Result<Dec
     let (s4, z4, e4) = fit(&wg, &d, None, 15.0)?;
     let (s2, z2, e2) = fit(&wg, &d, None, 3.0)?;
     // 4-bit tiles: the largest drop in error per block.
-    let h4 = cfg.h4(n, kl);
+    let h4 = cfg.h4(kl);
     let gain = (&e2 - &e4)?
         .reshape((r, TILE_ROWS, g))?
         .sum(1)?
@@ -1191,6 +1186,13 @@ pub fn quantize(
     )
 }
 
+/// Uniformly random u32 words of `shape` on `dev` (two 16-bit halves: f32 draws hold 24
+/// bits), for packed codes of random weights.
+pub fn random_words(shape: (usize, usize), dev: &Device) -> Result<Tensor> {
+    let half = || Tensor::rand(0f32, 65535.99f32, shape, dev)?.to_dtype(DType::U32);
+    (half()? * 65536.0)? + half()?
+}
+
 /// Random `w2416` weights of `[n, k]` drawn on `dev` (speed rows only): codes and scale
 /// codes uniform, super scales around `1 / (255 √k)`, `cfg`'s 4-bit share (random tiles)
 /// and outliers (random positions in 2-bit tiles, small δ).
@@ -1199,7 +1201,7 @@ pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) ->
     check_tileable(n, k, "w2416 random")?;
     let (r, g) = (n / TILE_ROWS, tile_cols(k));
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let h4 = cfg.h4(n, k);
+    let h4 = cfg.h4(k);
     let mut four = vec![false; r * g];
     for b in 0..r {
         let mut cols: Vec<usize> = (0..g).collect();
@@ -1209,10 +1211,7 @@ pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) ->
             four[b * g + cols[i]] = true;
         }
     }
-    let half_words = || -> Result<Tensor> {
-        Tensor::rand(0f32, 65535.99f32, (n, 4 * (g + h4)), dev)?.to_dtype(DType::U32)
-    };
-    let words = ((half_words()? * 65536.0)? + half_words()?)?;
+    let words = random_words((n, 4 * (g + h4)), dev)?;
     let sc = Tensor::rand(0f32, 255.99f32, (n, 2 * g), dev)?.to_dtype(DType::U8)?;
     let ds = (Tensor::rand(0.5f32, 1.5f32, (n, supers(k)), dev)?
         * (1.0 / (255.0 * (k as f64).sqrt())))?
