@@ -14,13 +14,22 @@
 // writes K and V to row pos (k_out, v_out: the same buffers as k_cache, v_cache) and uses
 // them from shared memory; no other block reads row pos.
 //
+// One kernel per (run dtype T, KV encoding E, APPEND), all taking one AttnParams. The
+// encodings (dense T rows, kv4, oaken) and their byte layouts are in kv_codec.cuh: a
+// lane reads a chunk of E::EPL values of a row (16 bytes of T, or 4 bytes of codes plus
+// the row's scales and, for oaken, its segment's sparse entries) and dequantizes it in
+// registers; everything after that is the same for every encoding.
+//
 // Layouts (row-major, contiguous; T in {f32, f16, bf16}):
 //   qkv      [b, (nh + 2*nkv) * hd] T  fused projection of the new token; its q heads are
 //                                     rotated here (RoPE position pos - pads[s], tables
 //                                     cos/sin [max_pos, hd/2] f32, "rotate half" pairs)
-//   k_cache  [b, nkv, max_len, hd] T  keys 0..pos are valid (pos = *pos_p, device u32);
-//   v_cache  [b, nkv, max_len, hd] T  row pos too without `append`; with it, row pos is
-//                                     written from qkv's k and v heads (k rotated like q)
+//   k        [b, nkv, max_len, rec]   K rows, `rec` bytes each (dense: hd T); rows
+//   v        [b, nkv, max_len, rec]   0..pos are valid (pos = *pos, device u32); row pos
+//                                     too without APPEND; with it, row pos is written
+//                                     from qkv's k and v heads (k rotated like q; a
+//                                     quantized row is encoded by warps 0 and 1 of the
+//                                     block that holds it and read back after a barrier)
 //   pads     [b] u32                  keys j < pads[s] are left padding (masked), except j = pos
 //   part_o   [b, nh, n_split, hd] f32 scratch: unnormalised partial outputs per key chunk
 //   part_ml  [b, nh, n_split, 2] f32  scratch: (max score, sum of exp) per chunk
@@ -34,15 +43,15 @@
 // blocks of 32 per KV head, each loading all its rows before pdl_wait) and blocks past
 // the last key exit at once.
 //
-// Work split in a block (ATTN_THREADS threads): K and V rows are read as 16-byte vectors,
-// LPK = hd / VEC lanes per row (VEC = 16 / sizeof(T)), ATTN_THREADS / LPK rows at a time,
+// Work split in a block (ATTN_THREADS threads): K and V rows are read in chunks of EPL
+// values, LPK = hd / EPL lanes per row, ATTN_THREADS / LPK rows at a time,
 // ATTN_UNROLL batches of loads issued before any is used. The first batch of K and V rows
 // older than pos is loaded before `pdl_wait` (nothing in the step writes them, and pos
 // is set before the step: see advance_pos in decode.cu), so at short contexts the whole
 // chunk streams in while the QKV projection finishes.
-// Limits (checked on the host): hd divides 128 and hd >= VEC; nh / nkv <= ATTN_MAX_G;
-// chunk <= 256. Launched with programmatic dependent launch (pdl_wait, common.cuh).
-#include "common.cuh"
+// Limits (checked on the host): hd divides 128 and hd >= EPL (quantized: hd in 32, 64,
+// 128); nh / nkv <= ATTN_MAX_G; chunk <= 256. Launched with programmatic dependent launch (pdl_wait, common.cuh).
+#include "kv_codec.cuh"
 
 using namespace lowbit;
 
@@ -52,18 +61,30 @@ using namespace lowbit;
 #define ATTN_MERGE 8
 #define ATTN_MAX_CLUSTER 8
 
+// Every input of one launch (the host fills the same struct, src/ops/decode_cuda.rs).
+struct AttnParams {
+    const void* qkv;
+    const float* cos;
+    const float* sin;
+    uint8_t* k;  // K rows of the whole cache
+    uint8_t* v;  // V rows
+    const uint32_t* pos;
+    const uint32_t* pads;
+    float* part_o;
+    float* part_ml;
+    uint32_t* counters;
+    void* out;
+    int nh, nkv, hd, max_len, n_split, chunk, cluster, rec;
+    float scale, pad;
+    KvThr thr_k, thr_v;
+};
+
 // grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem
-// (g*hd + g*chunk + ATTN_THREADS*VEC*g) floats.
-template <typename T>
-__device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__ cos,
-                            const float* __restrict__ sin, const T* __restrict__ k_cache,
-                            const T* __restrict__ v_cache, T* k_new_out, T* v_new_out,
-                            const uint32_t* __restrict__ pos_p, const uint32_t* __restrict__ pads,
-                            float* __restrict__ part_o, float* __restrict__ part_ml,
-                            uint32_t* __restrict__ counters, T* __restrict__ out, int nh, int nkv,
-                            int hd, int max_len, int n_split, int chunk, float scale, int append,
-                            int cluster) {
-    constexpr int VEC = 16 / sizeof(T);
+// (g*hd + g*chunk + ATTN_THREADS*EPL*g) floats.
+template <typename T, typename E, bool APPEND>
+__device__ void attn_decode(const AttnParams& p) {
+    constexpr int EPL = E::EPL;
+    using Chunk = typename E::Chunk;
     extern __shared__ float sh[];
     __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
     __shared__ __align__(16) T knew_sh[128], vnew_sh[128];
@@ -73,19 +94,20 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
     // previous step's advance_pos, which does not trigger early, or by host copies) and
     // the cache rows before the new one.
     const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    const int nh = p.nh, nkv = p.nkv, hd = p.hd, chunk = p.chunk, n_split = p.n_split;
     const int g = nh / nkv;
-    const int lpk = hd / VEC;               // lanes per K/V row
+    const int lpk = hd / EPL;               // lanes per K/V row
     const int rows_per_pass = ATTN_THREADS / lpk;
-    const int len = (int)pos_p[0] + 1, j_new = len - 1;  // j_new: the current token's row
+    const int len = (int)p.pos[0] + 1, j_new = len - 1;  // j_new: the current token's row
     // keys per block
     const int c = min(chunk, max(rows_per_pass * ATTN_UNROLL, (len + n_split - 1) / n_split));
     const int start = split * c;
     const int n_active = (len + c - 1) / c;
     // Up to `cluster` active chunks merge through distributed shared memory in cluster 0
     // (blocks 0..cluster of this KV head); more go through global memory and a counter.
-    const bool in_cluster = cluster > 0 && n_active > 1 && n_active <= cluster;
+    const bool in_cluster = p.cluster > 0 && n_active > 1 && n_active <= p.cluster;
     if (start >= len) {
-        if (!in_cluster || split >= cluster) return;
+        if (!in_cluster || split >= p.cluster) return;
         // An empty member of cluster 0: contributes nothing, stays until the merge is done.
         if (threadIdx.x < ATTN_MAX_G) { m_sh[threadIdx.x] = -INFINITY; l_sh[threadIdx.x] = 0.f; }
         cluster_sync();
@@ -94,94 +116,127 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
     }
     const int end = min(start + c, len), n = end - start;
     const bool has_new = j_new < end;  // this block holds the current token's key
-    const int pad = (int)pads[s];
+    const int pad = (int)p.pads[s];
     // This thread's RoPE pair: every q element it rotates (idx = threadIdx.x + 128 i) and
     // the new key's pair j = threadIdx.x < hd / 2 share d = threadIdx.x % hd (hd | 128).
     const int half = hd / 2, rpos = max(j_new - pad, 0);
     const int jr = (threadIdx.x % hd) % half;
-    const float rc = cos[(size_t)rpos * half + jr], rs = sin[(size_t)rpos * half + jr];
+    const float rc = p.cos[(size_t)rpos * half + jr], rs = p.sin[(size_t)rpos * half + jr];
     const int sub = threadIdx.x % lpk, grp = threadIdx.x / lpk;
     float* q_sh = sh;                        // [g, hd]
     float* p_sh = q_sh + g * hd;             // [g, chunk]
     float* r_sh = p_sh + g * chunk;          // [rows_per_pass, g, hd]
 
-    const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)max_len * hd;
-    const uint4* k_gl_rd = reinterpret_cast<const uint4*>(k_cache + head_off);
-    const uint4* v_gl_rd = reinterpret_cast<const uint4*>(v_cache + head_off);
+    const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)p.max_len * p.rec;
+    const E kc{p.k + head_off, p.rec, hd, p.thr_k};
+    const E vc{p.v + head_off, p.rec, hd, p.thr_v};
     // The first ATTN_UNROLL rows per lane group of K and V, older rows only.
-    uint4 k_first[ATTN_UNROLL], v_first[ATTN_UNROLL];
+    Chunk k_first[ATTN_UNROLL], v_first[ATTN_UNROLL];
 #pragma unroll
     for (int u = 0; u < ATTN_UNROLL; ++u) {
         const int t = u * rows_per_pass + grp, j = start + t;
         const bool old = t < n && j != j_new;
-        k_first[u] = old ? k_gl_rd[(size_t)j * lpk + sub] : make_uint4(0, 0, 0, 0);
-        v_first[u] = old ? v_gl_rd[(size_t)j * lpk + sub] : make_uint4(0, 0, 0, 0);
+        if (old) { k_first[u] = kc.load(j, sub); v_first[u] = vc.load(j, sub); }
+        else { k_first[u] = Chunk{}; v_first[u] = Chunk{}; }
     }
     pdl_wait();  // qkv comes from the previous kernel
 
-    const T* row_gl_rd = qkv + (size_t)s * (nh + 2 * nkv) * hd;
+    const T* row_gl_rd = static_cast<const T*>(p.qkv) + (size_t)s * (nh + 2 * nkv) * hd;
     {
         const T* q_gl_rd = row_gl_rd + (size_t)kvh * g * hd;
         for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
             const int hh = idx / hd, d = idx % hd;
             const float x0 = to_f32(q_gl_rd[hh * hd + jr]), x1 = to_f32(q_gl_rd[hh * hd + jr + half]);
-            q_sh[idx] = (d < half ? x0 * rc - x1 * rs : x1 * rc + x0 * rs) * scale;
+            q_sh[idx] = (d < half ? x0 * rc - x1 * rs : x1 * rc + x0 * rs) * p.scale;
         }
     }
-    // The current token's K (rotated) and V: from qkv, also written to the cache (append),
-    // or from the cache, where the previous kernel (rope_kv) put them.
+    // The current token's K (rotated) and V: from qkv, also written to the cache (APPEND),
+    // or from the cache, where an earlier kernel put them.
     if (has_new) {
-        const size_t row = head_off + (size_t)j_new * hd;
         const int j = threadIdx.x;  // one rotation pair per thread (half <= 64)
-        if (j < half) {
-            if (append) {
+        if constexpr (!E::QUANT) {
+            T* k_out = reinterpret_cast<T*>(p.k + head_off) + (size_t)j_new * hd;
+            T* v_out = reinterpret_cast<T*>(p.v + head_off) + (size_t)j_new * hd;
+            if (j < half) {
+                if (APPEND) {
+                    const T* k_gl_rd1 = row_gl_rd + (size_t)(nh + kvh) * hd;
+                    const T* v_gl_rd1 = row_gl_rd + (size_t)(nh + nkv + kvh) * hd;
+                    const float k0 = to_f32(k_gl_rd1[j]), k1 = to_f32(k_gl_rd1[j + half]);
+                    knew_sh[j] = from_f32<T>(k0 * rc - k1 * rs);
+                    knew_sh[j + half] = from_f32<T>(k1 * rc + k0 * rs);
+                    vnew_sh[j] = v_gl_rd1[j];
+                    vnew_sh[j + half] = v_gl_rd1[j + half];
+                    k_out[j] = knew_sh[j];
+                    k_out[j + half] = knew_sh[j + half];
+                    v_out[j] = vnew_sh[j];
+                    v_out[j + half] = vnew_sh[j + half];
+                } else {
+                    knew_sh[j] = k_out[j];
+                    knew_sh[j + half] = k_out[j + half];
+                    vnew_sh[j] = v_out[j];
+                    vnew_sh[j + half] = v_out[j + half];
+                }
+            }
+        } else if (APPEND) {
+            // The new rows in f32 (rounded to T, as a dense cache would hold them) in r_sh
+            // (free until P·V), then warp 0 encodes K and warp 1 V into the cache.
+            float* xk = r_sh;
+            float* xv = r_sh + hd;
+            if (j < half) {
                 const T* k_gl_rd1 = row_gl_rd + (size_t)(nh + kvh) * hd;
                 const T* v_gl_rd1 = row_gl_rd + (size_t)(nh + nkv + kvh) * hd;
-                const float k0 = to_f32(k_gl_rd1[j]), k1 = to_f32(k_gl_rd1[j + half]);
-                knew_sh[j] = from_f32<T>(k0 * rc - k1 * rs);
-                knew_sh[j + half] = from_f32<T>(k1 * rc + k0 * rs);
-                vnew_sh[j] = v_gl_rd1[j];
-                vnew_sh[j + half] = v_gl_rd1[j + half];
-                k_new_out[row + j] = knew_sh[j];
-                k_new_out[row + j + half] = knew_sh[j + half];
-                v_new_out[row + j] = vnew_sh[j];
-                v_new_out[row + j + half] = vnew_sh[j + half];
-            } else {
-                knew_sh[j] = k_cache[row + j];
-                knew_sh[j + half] = k_cache[row + j + half];
-                vnew_sh[j] = v_cache[row + j];
-                vnew_sh[j + half] = v_cache[row + j + half];
+                float y0, y1;
+                rope_pair_rn(to_f32(k_gl_rd1[j]), to_f32(k_gl_rd1[j + half]), rc, rs, y0, y1);
+                xk[j] = to_f32(from_f32<T>(y0));
+                xk[j + half] = to_f32(from_f32<T>(y1));
+                xv[j] = to_f32(v_gl_rd1[j]);
+                xv[j + half] = to_f32(v_gl_rd1[j + half]);
             }
+            __syncthreads();
+            const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+            if (warp == 0) E::quantize_warp(xk, p.k + head_off + (size_t)j_new * p.rec, hd, p.thr_k, lane);
+            if (warp == 1) E::quantize_warp(xv, p.v + head_off + (size_t)j_new * p.rec, hd, p.thr_v, lane);
         }
     }
     __syncthreads();
     const uint4* knew4 = reinterpret_cast<const uint4*>(knew_sh);
     const uint4* vnew4 = reinterpret_cast<const uint4*>(vnew_sh);
+    // Row j_new: dense from shared memory; quantized from the cache (written above by
+    // this block, or earlier), bypassing L1.
+    auto new_k = [&](Chunk& dst) {
+        if constexpr (E::QUANT) dst = kc.load_cg(j_new, sub);
+        else dst = knew4[sub];
+    };
+    auto new_v = [&](Chunk& dst) {
+        if constexpr (E::QUANT) dst = vc.load_cg(j_new, sub);
+        else dst = vnew4[sub];
+    };
 
     // Scores: LPK lanes per key, partial dots reduced with shuffles inside the lane group.
     for (int base = 0; base < n; base += rows_per_pass * ATTN_UNROLL) {
-        uint4 kv[ATTN_UNROLL];
+        Chunk kv[ATTN_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
             const int t = base + u * rows_per_pass + grp, j = start + t;
             if (base == 0) kv[u] = k_first[u];
-            else kv[u] = t < n && j != j_new ? k_gl_rd[(size_t)j * lpk + sub] : make_uint4(0, 0, 0, 0);
-            if (t < n && j == j_new) kv[u] = knew4[sub];
+            else if (t < n && j != j_new) kv[u] = kc.load(j, sub);
+            else kv[u] = Chunk{};
+            if (t < n && j == j_new) new_k(kv[u]);
         }
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
             const int t = base + u * rows_per_pass + grp;
-            float kf[VEC];
-            unpack16<T>(kv[u], kf);
+            float kf[EPL];
+            kc.unpack(kv[u], sub, kf);
             const int j = start + t;
             const bool visible = j >= pad || j == j_new;
 #pragma unroll
             for (int hh = 0; hh < ATTN_MAX_G; ++hh) {
                 if (hh >= g) break;
-                const float* q = q_sh + hh * hd + sub * VEC;
+                const float* q = q_sh + hh * hd + sub * EPL;
                 float d = 0.f;
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) d += kf[e] * q[e];
+                for (int e = 0; e < EPL; ++e) d += kf[e] * q[e];
                 for (int o = lpk / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
                 if (sub == 0 && t < n) p_sh[hh * chunk + t] = visible ? d : -INFINITY;
             }
@@ -206,44 +261,48 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
     }
     __syncthreads();
 
-    // P·V: lane group `grp` takes rows t ≡ grp (mod rows_per_pass), VEC dims per thread.
-    float acc[ATTN_MAX_G][VEC];
+    // P·V: lane group `grp` takes rows t ≡ grp (mod rows_per_pass), EPL dims per thread.
+    float acc[ATTN_MAX_G][EPL];
 #pragma unroll
     for (int hh = 0; hh < ATTN_MAX_G; ++hh)
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[hh][e] = 0.f;
+        for (int e = 0; e < EPL; ++e) acc[hh][e] = 0.f;
     for (int base = 0; base < n; base += rows_per_pass * ATTN_UNROLL) {
-        uint4 vv[ATTN_UNROLL];
+        Chunk vv[ATTN_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
             const int t = base + u * rows_per_pass + grp, j = start + t;
             if (base == 0) vv[u] = v_first[u];
-            else vv[u] = t < n && j != j_new ? v_gl_rd[(size_t)j * lpk + sub] : make_uint4(0, 0, 0, 0);
-            if (t < n && j == j_new) vv[u] = vnew4[sub];
+            else if (t < n && j != j_new) vv[u] = vc.load(j, sub);
+            else vv[u] = Chunk{};
+            if (t < n && j == j_new) new_v(vv[u]);
         }
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
             const int t = base + u * rows_per_pass + grp;
             if (t >= n) break;
-            float vf[VEC];
-            unpack16<T>(vv[u], vf);
+            float vf[EPL];
+            vc.unpack(vv[u], sub, vf);
 #pragma unroll
             for (int hh = 0; hh < ATTN_MAX_G; ++hh) {
                 if (hh >= g) break;
-                const float p = p_sh[hh * chunk + t];
+                const float pr = p_sh[hh * chunk + t];
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[hh][e] += p * vf[e];
+                for (int e = 0; e < EPL; ++e) acc[hh][e] += pr * vf[e];
             }
         }
     }
+    // r_sh held the new quantized rows: every thread is past its last read of them (the
+    // barrier after the scores), so it is free again.
 #pragma unroll
     for (int hh = 0; hh < ATTN_MAX_G; ++hh) {
         if (hh >= g) break;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) r_sh[(grp * g + hh) * hd + sub * VEC + e] = acc[hh][e];
+        for (int e = 0; e < EPL; ++e) r_sh[(grp * g + hh) * hd + sub * EPL + e] = acc[hh][e];
     }
     __syncthreads();
 
+    T* out = static_cast<T*>(p.out);
     const size_t row0 = (size_t)s * nh + (size_t)kvh * g;  // first query head of this block
     if (n_active == 1) {
         for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
@@ -288,6 +347,8 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
         cluster_sync();
         return;
     }
+    float* part_o = p.part_o;
+    float* part_ml = p.part_ml;
     for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
         const int hh = idx / hd, d = idx % hd;
         float o = 0.f;
@@ -301,7 +362,7 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        const uint32_t ticket = atomicAdd(&counters[(size_t)s * nkv + kvh], 1u);
+        const uint32_t ticket = atomicAdd(&p.counters[(size_t)s * nkv + kvh], 1u);
         last_sh = ticket == (uint32_t)(n_active - 1);
     }
     __syncthreads();
@@ -342,18 +403,22 @@ __device__ void attn_decode(const T* __restrict__ qkv, const float* __restrict__
         }
         out[(row0 + hh) * hd + d] = from_f32<T>(o / l_sh[hh]);
     }
-    if (threadIdx.x == 0) counters[(size_t)s * nkv + kvh] = 0;
+    if (threadIdx.x == 0) p.counters[(size_t)s * nkv + kvh] = 0;
 }
 
-#define ATTN_KERNELS(SUF, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_##SUF(                 \
-        const T* qkv, const float* cos, const float* sin, const T* k, const T* v, T* k_out,       \
-        T* v_out, const uint32_t* pos, const uint32_t* pads, float* part_o, float* part_ml,       \
-        uint32_t* counters, T* out, int nh, int nkv, int hd, int max_len, int n_split, int chunk, \
-        float scale, int append, int cluster) {                                                   \
-        attn_decode<T>(qkv, cos, sin, k, v, k_out, v_out, pos, pads, part_o, part_ml, counters,   \
-                       out, nh, nkv, hd, max_len, n_split, chunk, scale, append, cluster);        \
+// attn_decode_<dtype>_<encoding>[_append]
+#define ATTN_KERNEL(NAME, T, E, APPEND)                                                  \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                           \
+        NAME(const __grid_constant__ AttnParams p) {                                     \
+        attn_decode<T, E, APPEND>(p);                                                     \
     }
+#define ATTN_KERNELS(SUF, T)                                                             \
+    ATTN_KERNEL(attn_decode_##SUF##_dense, T, DenseKv<T>, false)                         \
+    ATTN_KERNEL(attn_decode_##SUF##_dense_append, T, DenseKv<T>, true)                   \
+    ATTN_KERNEL(attn_decode_##SUF##_kv4, T, Kv4, false)                                  \
+    ATTN_KERNEL(attn_decode_##SUF##_kv4_append, T, Kv4, true)                            \
+    ATTN_KERNEL(attn_decode_##SUF##_oaken, T, Oaken, false)                              \
+    ATTN_KERNEL(attn_decode_##SUF##_oaken_append, T, Oaken, true)
 
 ATTN_KERNELS(f32, float)
 ATTN_KERNELS(f16, __half)

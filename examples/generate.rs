@@ -15,7 +15,6 @@ use candle_core::{Device, Tensor};
 use candle_lowbit::graph::GraphDecoder;
 use candle_lowbit::loader::{Loaded, StockModel};
 use candle_lowbit::model_files::ModelSource;
-use candle_lowbit::Cache;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use clap::Parser;
 use std::io::Write;
@@ -202,7 +201,7 @@ fn sampler(args: &Args, greedy: bool) -> LogitsProcessor {
 /// Our model, streaming its text to stdout.
 fn run_ours(s: &common::Session, prompt: &[u32], args: &Args, max_ctx: usize) -> Result<Run> {
     let l = &s.loaded;
-    let mut cache = Cache::with_capacity(max_ctx, s.kv_cache, s.dtype, &l.config, &s.device)?;
+    let mut cache = s.cache(max_ctx)?;
     // Warm-up (kernel loading, cuBLAS set-up) outside the timings, as for stock below: two
     // tokens, so that both the prefill matmuls (cuBLAS) and the batch-1 ones (our skinny
     // matmul, the output head) are loaded before the prompt is timed, then one decode-sized

@@ -432,7 +432,7 @@ fn main() -> Result<()> {
         );
     }
     let mut cache =
-        Cache::with_capacity(args.ctx, s.kv_cache, s.dtype, &s.loaded.config, &s.device)?;
+        s.cache(args.ctx)?;
     let ours = score_ours(&s, &mut cache, &tokens, &bs)?;
     drop(cache);
     let stock = if args.compare {

@@ -12,7 +12,8 @@
 //! from `../shared`, where it exists). The checkpoint (`candle_lowbit::checkpoint`) holds
 //! every tensor of the format under the layers' HF names, a manifest with the format, its
 //! version, the quantizer settings, the real bits per weight and the calibration text's
-//! SHA-256, and the model's `config.json` and `tokenizer.json`. After writing, the
+//! SHA-256, and the model's `config.json` and `tokenizer.json`. With `--kv-cache oaken` the
+//! manifest also holds Oaken's per-layer KV thresholds, calibrated on the same text. After writing, the
 //! checkpoint is loaded back and its logits on a short prompt compared bit for bit.
 
 mod common;
@@ -21,7 +22,6 @@ use anyhow::{bail, Result};
 use candle_core::Tensor;
 use candle_lowbit::checkpoint::{self, SaveInfo};
 use candle_lowbit::model_files::ModelSource;
-use candle_lowbit::Cache;
 use clap::Parser;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -59,10 +59,20 @@ fn main() -> Result<()> {
         format,
         quantizer: args.model.calib.settings_json(format),
         calibration: l.calibration.clone(),
+        kv_oaken: s.kv_oaken.as_ref().map(|(_, c)| c.clone()),
     };
     let t0 = Instant::now();
     let manifest = checkpoint::save(&l.model, &args.out, &info)?;
     let bytes = std::fs::metadata(args.out.join(checkpoint::WEIGHTS_FILE))?.len();
+    if let Some((_, c)) = &s.kv_oaken {
+        println!(
+            "stored oaken KV thresholds for {} layers (outer {}, inner {}, K {})",
+            c.layers.len(),
+            c.fractions.outer,
+            c.fractions.inner,
+            c.k_rope
+        );
+    }
     println!(
         "wrote {} ({:.1} MB, {} linear layers, {:.3} bits/weight) in {:.2}s",
         args.out.display(),
@@ -87,7 +97,7 @@ fn verify(s: &common::Session, dir: &std::path::Path) -> Result<()> {
         .map_err(anyhow::Error::msg)?;
     let ids = Tensor::new(ids.get_ids(), &s.device)?.unsqueeze(0)?;
     let logits = |m: &candle_lowbit::Llama| -> Result<Vec<f32>> {
-        let mut cache = Cache::with_capacity(64, s.kv_cache, s.dtype, &s.loaded.config, &s.device)?;
+        let mut cache = s.cache(64)?;
         Ok(m.forward(&ids, 0, &mut cache)?
             .flatten_all()?
             .to_vec1::<f32>()?)

@@ -2,7 +2,7 @@
 //! left padding of a batch of prompts.
 
 use super::{Config, Llama3RopeType};
-use crate::kv_cache::{KvCache, KvFormat};
+use crate::kv::{KvCache, KvFormat, KvSpec};
 use crate::ops::{Heads, StepPositions};
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -69,11 +69,24 @@ impl Cache {
         )
     }
 
-    /// A cache of `max_len` tokens per sequence in KV format `format`. Storage is
-    /// allocated on the first forward call, for its batch size.
+    /// A cache of `max_len` tokens per sequence in KV format `format` (one that needs no
+    /// calibration: see [`Cache::with_spec`] for Oaken). Storage is allocated on the first
+    /// forward call, for its batch size.
     pub fn with_capacity(
         max_len: usize,
         format: KvFormat,
+        dtype: DType,
+        cfg: &Config,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::with_spec(max_len, &KvSpec::from_format(format)?, dtype, cfg, device)
+    }
+
+    /// A cache of `max_len` tokens per sequence in the KV format of `spec` (with Oaken's
+    /// per-layer thresholds, one per layer of `cfg`).
+    pub fn with_spec(
+        max_len: usize,
+        spec: &KvSpec,
         dtype: DType,
         cfg: &Config,
         device: &Device,
@@ -98,9 +111,18 @@ impl Cache {
             nkv: cfg.num_key_value_heads,
             hd,
         };
+        if let KvSpec::Oaken(t) = spec {
+            if t.len() != cfg.num_hidden_layers {
+                candle_core::bail!(
+                    "oaken thresholds for {} layers, the model has {}",
+                    t.len(),
+                    cfg.num_hidden_layers
+                )
+            }
+        }
         let kvs = (0..cfg.num_hidden_layers)
-            .map(|_| KvCache::new(format, heads, max_len, dtype, device))
-            .collect();
+            .map(|l| Ok(KvCache::new(spec.encoding(l)?, heads, max_len, dtype, device)))
+            .collect::<Result<Vec<_>>>()?;
         let (cos32, sin32) = (idx_theta.cos()?, idx_theta.sin()?);
         Ok(Self {
             kvs,
@@ -114,6 +136,16 @@ impl Cache {
             device: device.clone(),
             generation: 0,
         })
+    }
+
+    /// The KV format of the layers' caches.
+    pub fn kv_format(&self) -> KvFormat {
+        self.kvs.first().map_or(KvFormat::Dense, KvCache::format)
+    }
+
+    /// Why the fused decode step does not apply to some layer's cache (`None`: it does).
+    pub fn no_fused(&self) -> Option<String> {
+        self.kvs.iter().find_map(KvCache::no_fused)
     }
 
     /// Tokens each sequence can hold.

@@ -11,9 +11,9 @@
 //!   [`Cache::set_left_padding`]; masks and RoPE positions then skip the padding.
 
 use crate::formats::{Activation, InputEncoding, WeightFormat};
-use crate::kv_cache::{causal_mask, KvCache};
+use crate::kv::{causal_mask, KvCache};
 use crate::linear::QLinear;
-use crate::ops::{add_rms_norm_as, embed_gather, rms_norm_as, Heads, StepPositions};
+use crate::ops::{add_rms_norm_as, embed_gather, rms_norm_as, StepPositions};
 use candle_core::{DType, IndexOp, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -79,14 +79,6 @@ struct StepCtx<'a> {
 }
 
 impl Attention {
-    fn heads(&self) -> Heads {
-        Heads {
-            nh: self.n_h,
-            nkv: self.n_kv,
-            hd: self.hd,
-        }
-    }
-
     /// Tell `obs` this step's keys (before and after RoPE) and values.
     fn observe_kv(
         &self,
@@ -128,8 +120,12 @@ impl Attention {
         obs.linear_input(layer, Slot::Qkv, x.dense()?)?;
         let qkv = self.qkv.forward_act(x)?;
         self.observe_kv(&qkv, ctx, layer, obs)?;
-        let y = if seq == 1 && self.heads().fused_ok() {
-            kv.append_attend_decode(&qkv, ctx.pos, ctx.dev)?
+        let fused = match seq {
+            1 => kv.append_attend_decode(&qkv, ctx.pos, ctx.dev)?,
+            _ => None,
+        };
+        let y = if let Some(y) = fused {
+            y
         } else {
             kv.append(&qkv, ctx.pos, ctx.dev)?;
             let q = qkv
@@ -647,9 +643,9 @@ impl Llama {
     }
 
     /// Whether the decode step can be captured as a CUDA graph, or why not.
-    pub fn graph_ready(&self) -> std::result::Result<(), String> {
-        if !self.blocks.iter().all(|b| b.attn.heads().fused_ok()) {
-            return Err("an attention layer's geometry has no fused decode kernel".into());
+    pub fn graph_ready(&self, cache: &Cache) -> std::result::Result<(), String> {
+        if let Some(why) = cache.no_fused() {
+            return Err(why);
         }
         match self
             .linears()

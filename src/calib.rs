@@ -14,7 +14,7 @@
 //!   plus the residual stream of every window.
 
 use crate::formats::{Activation, QuantOptions, WeightFormat};
-use crate::kv_cache::KvFormat;
+use crate::kv::KvFormat;
 use crate::llama::{Cache, Config, Llama, NoObserver, Observer, Slot};
 use candle_core::{DType, Device, Result, Tensor};
 use std::collections::HashMap;
@@ -288,6 +288,42 @@ pub fn collect(
     }
     progress.finish();
     Ok(obs.stats)
+}
+
+/// Oaken's per-layer thresholds for `model`: one pass over `windows` gathering the K
+/// (post-RoPE, as the cache stores it) and V quantiles at `fractions`, averaged over the
+/// passes as the authors' code does.
+pub fn oaken_thresholds(
+    model: &Llama,
+    cfg: &Config,
+    windows: &[Vec<u32>],
+    (batch, dtype): (usize, DType),
+    fractions: crate::kv::OakenFractions,
+    progress: &mut dyn Progress,
+) -> Result<crate::kv::oaken::OakenCalibration> {
+    let q = fractions.quantiles()?.to_vec();
+    let stats = collect(model, cfg, windows, (batch, dtype), (vec![], q), progress)?;
+    if stats.kv.len() != model.num_layers() {
+        candle_core::bail!(
+            "oaken calibration: K/V quantiles for {} of {} layers",
+            stats.kv.len(),
+            model.num_layers()
+        )
+    }
+    let layers = stats
+        .kv
+        .iter()
+        .enumerate()
+        .map(|(i, q)| {
+            crate::kv::OakenLayer::from_quantiles(&q.k_post_rope, &q.v)
+                .map_err(|e| candle_core::Error::Msg(format!("layer {i}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(crate::kv::oaken::OakenCalibration {
+        fractions,
+        k_rope: "post-rope".into(),
+        layers,
+    })
 }
 
 /// What [`quantize_model`] did, and where its time went (seconds; the device synchronized

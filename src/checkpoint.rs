@@ -76,6 +76,9 @@ pub struct Manifest {
     pub dtype: String,
     /// Every linear layer (HF name without `.weight`) → its format and shape.
     pub layers: BTreeMap<String, LayerEntry>,
+    /// Oaken KV-cache thresholds, where the checkpoint was written with `--kv-cache oaken`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_oaken: Option<crate::kv::oaken::OakenCalibration>,
 }
 
 impl Manifest {
@@ -153,6 +156,8 @@ pub struct SaveInfo<'a> {
     pub format: WeightFormat,
     pub quantizer: serde_json::Value,
     pub calibration: Option<CalibInfo>,
+    /// Oaken KV-cache thresholds to store with the model.
+    pub kv_oaken: Option<crate::kv::oaken::OakenCalibration>,
 }
 
 /// Write `model` as a checkpoint into `dir` (created if needed; the weights file is
@@ -207,6 +212,7 @@ pub fn save(model: &Llama, dir: &Path, info: &SaveInfo) -> Result<Manifest> {
         calibration: info.calibration.clone(),
         dtype: dtype.as_str().into(),
         layers,
+        kv_oaken: info.kv_oaken.clone(),
     };
     let json = serde_json::to_string(&manifest).map_err(|e| err(dir, format!("manifest: {e}")))?;
     let md = HashMap::from([(METADATA_KEY.to_string(), json)]);

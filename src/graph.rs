@@ -173,7 +173,7 @@ impl GraphDecoder {
                     .into(),
             );
         }
-        model.graph_ready()?;
+        model.graph_ready(cache)?;
         let stream = cuda.cuda_stream();
         let _htod = cuda.enable_cuda_graph_htod_cache();
         stream.synchronize().map_err(|e| e.to_string())?;

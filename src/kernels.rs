@@ -109,6 +109,31 @@ mod cuda {
         launch_ex(func, stream, cfg, cluster_x, args)
     }
 
+    /// Launch `func` with one kernel parameter, the `#[repr(C)]` struct `params` (passed by
+    /// value, `__grid_constant__` on the device side), with programmatic dependent launch as
+    /// [`launch_pdl`] and clusters of `cluster_x` blocks along x where `cluster_x > 0`.
+    ///
+    /// # Safety
+    /// `P` must have exactly the layout of the kernel's parameter struct, and every device
+    /// address in it must stay valid until the kernel has run.
+    pub unsafe fn launch_params<P: Copy>(
+        func: &CudaFunction,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        cluster_x: u32,
+        params: &P,
+    ) -> Result<()> {
+        if cluster_x > 0 && cfg.grid_dim.0 % cluster_x != 0 {
+            candle_core::bail!(
+                "launch: grid x {} is not a multiple of the cluster's {cluster_x}",
+                cfg.grid_dim.0
+            )
+        }
+        let mut p = *params;
+        let mut ptrs = [&mut p as *mut P as *mut c_void];
+        launch_raw(func, stream, cfg, cluster_x, &mut ptrs)
+    }
+
     unsafe fn launch_ex(
         func: &CudaFunction,
         stream: &CudaStream,
@@ -126,6 +151,16 @@ mod cuda {
                 Arg::F32(v) => v as *mut f32 as *mut c_void,
             })
             .collect();
+        launch_raw(func, stream, cfg, cluster_x, &mut ptrs)
+    }
+
+    unsafe fn launch_raw(
+        func: &CudaFunction,
+        stream: &CudaStream,
+        cfg: LaunchConfig,
+        cluster_x: u32,
+        ptrs: &mut [*mut c_void],
+    ) -> Result<()> {
         let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
         let mut n = 0;
         if pdl_enabled() {
@@ -168,5 +203,11 @@ mod cuda {
     pub fn dptr<'a, T>(v: &'a impl DevicePtr<T>, stream: &'a CudaStream) -> (Arg, SyncOnDrop<'a>) {
         let (p, guard) = v.device_ptr(stream);
         (Arg::Ptr(p), guard)
+    }
+
+    /// The raw device address of a view, for a kernel's parameter struct (and its guard,
+    /// to hold until after the launch).
+    pub fn raw_ptr<'a, T>(v: &'a impl DevicePtr<T>, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        v.device_ptr(stream)
     }
 }

@@ -5,6 +5,8 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use candle_lowbit::kv::oaken::OakenCalibration;
+use candle_lowbit::kv::{OakenFractions, OakenLayer};
 use candle_lowbit::calib::{self, CalibConfig, Quiet};
 use candle_lowbit::checkpoint::{self, SaveInfo, WEIGHTS_FILE};
 use candle_lowbit::llama::Slot;
@@ -79,9 +81,22 @@ fn save(m: &Llama, cfg: &candle_lowbit::Config, f: WeightFormat, dir: &Path) -> 
         format: f,
         quantizer: serde_json::json!({ "test": true }),
         calibration: None,
+        kv_oaken: Some(oaken_calibration(cfg)?),
     };
     checkpoint::save(m, dir, &info)?;
     Ok(())
+}
+
+/// Oaken thresholds for every layer of `cfg` (distinct per layer, so a mix-up shows).
+fn oaken_calibration(cfg: &candle_lowbit::Config) -> Result<OakenCalibration> {
+    let layers = (0..cfg.num_hidden_layers)
+        .map(|l| OakenLayer::gaussian(1.0 + l as f32, OakenFractions::default()))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(OakenCalibration {
+        fractions: OakenFractions::default(),
+        k_rope: "post-rope".into(),
+        layers,
+    })
 }
 
 fn logits(m: &Llama, cfg: &candle_lowbit::Config) -> Result<Vec<f32>> {
@@ -113,6 +128,7 @@ fn round_trip_is_bit_exact_for_every_format() -> Result<()> {
         assert_eq!(manifest.weight_format()?, f);
         assert_eq!(manifest.bits_per_weight, m.bits_per_weight());
         assert_eq!(manifest.layers.len(), 2 * 7 + 1);
+        assert_eq!(manifest.kv_oaken, Some(oaken_calibration(&cfg)?));
         for layer in 0..2 {
             for slot in Slot::ALL {
                 let (a, b) = (m.linear(layer, slot)?, back.linear(layer, slot)?);
@@ -313,6 +329,7 @@ fn real_model_checkpoint_round_trip() -> Result<()> {
         format: WeightFormat::Int4,
         quantizer: serde_json::json!({}),
         calibration: None,
+        kv_oaken: None,
     };
     checkpoint::save(&l.model, &dir.0, &info)?;
     let t0 = std::time::Instant::now();

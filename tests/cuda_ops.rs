@@ -320,10 +320,10 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
                 let counters = Tensor::zeros(b * heads.nkv, DType::U32, d)?;
                 // GPU: one launch appends and attends; CPU: rope_kv_append, decode_attention.
                 let first =
-                    append_decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
+                    append_decode_attention(&step.to_device(d)?, cache, &counters, heads, &p, None)?;
                 // Again without the append, reading row pos from the cache, on the same
                 // counters (the kernel must have left them at zero): bit-identical.
-                let again = decode_attention(&step.to_device(d)?, cache, &counters, heads, &p)?;
+                let again = decode_attention(&step.to_device(d)?, cache, &counters, heads, &p, None)?;
                 assert_eq!(
                     counters.to_vec1::<u32>()?,
                     vec![0; b * heads.nkv],
@@ -499,5 +499,78 @@ fn gemv_cuda_matches_cpu() -> Result<()> {
         DType::F16
     )
     .is_err());
+    Ok(())
+}
+
+/// Bytes of two u8 caches that differ: `(count, first index)`.
+fn byte_diff(a: &Tensor, b: &Tensor) -> Result<(usize, Option<usize>)> {
+    let (a, b) = (a.flatten_all()?.to_vec1::<u8>()?, b.flatten_all()?.to_vec1::<u8>()?);
+    let diff: Vec<usize> = (0..a.len()).filter(|&i| a[i] != b[i]).collect();
+    Ok((diff.len(), diff.first().copied()))
+}
+
+/// The quantized caches on the GPU against the CPU references, for kv4 and oaken: the
+/// prefill quantize-append and the decode step's fused append write the same bytes; the
+/// dequantize gives the same values; the decode attention over the packed cache matches
+/// the CPU attention over the same dequantized rows (MHA and GQA, hd 32 / 64 / 128, left
+/// padding, clusters and the global merge); without the append it is bit-identical.
+#[test]
+fn quantized_kv_cuda_matches_cpu() -> Result<()> {
+    use candle_lowbit::kv::{KvCodec, OakenFractions, OakenLayer};
+    use candle_lowbit::ops::{append_decode_attention, decode_attention, kv_append, kv_dequantize, Heads};
+    let (cpu, dev) = (Device::Cpu, gpu()?);
+    let h = |nh, nkv, hd| Heads { nh, nkv, hd };
+    let cases = [
+        (h(4, 4, 64), 1, 1usize, 16usize),
+        (h(9, 3, 64), 3, 37, 300),
+        (h(32, 8, 128), 2, 700, 1024),
+        (h(8, 1, 128), 1, 256, 600),
+        (h(32, 32, 128), 1, 2049, 2100),
+        (h(6, 2, 32), 2, 130, 131),
+        (h(8, 2, 64), 1, 9000, 9001),
+        (h(9, 3, 64), 1, 200, 256),
+        (h(32, 8, 128), 1, 129, 160),
+    ];
+    let oaken = OakenLayer::gaussian(1.0, OakenFractions::default())?;
+    for codec in [KvCodec::Kv4, KvCodec::Oaken(oaken)] {
+        for (dtype, tol) in [(DType::F16, 3e-3f32), (DType::F32, 1e-4), (DType::BF16, 1.6e-2)] {
+            for (ci, &(heads, b, len, max_len)) in cases.iter().enumerate() {
+                let what = format!("{} {dtype:?} {heads:?} b{b} len{len}", codec.name());
+                let tabs = tables(max_len, heads.hd, &cpu)?;
+                let pads: Vec<u32> = (0..b as u32).map(|s| (s * 5).min(len as u32 - 1)).collect();
+                let seed = 7000 + 1000 * ci as u64;
+                let rec = codec.rec_bytes(heads.hd);
+                let pre = randn(seed + 1, &[b, len - 1, heads.qkv_width()], 1.0, dtype, &cpu)?;
+                let step = randn(seed + 2, &[b, 1, heads.qkv_width()], 1.0, dtype, &cpu)?;
+                let (mut caches, mut outs) = (vec![], vec![]);
+                for d in [&cpu, &dev] {
+                    let cache = Tensor::zeros((2, b, heads.nkv, max_len, rec), DType::U8, d)?;
+                    if len > 1 {
+                        let p0 = positions_on(&pads, 0, &tabs, d)?;
+                        kv_append(&cache, &pre.to_device(d)?, heads, &p0, codec)?;
+                    }
+                    let p = positions_on(&pads, len as u32 - 1, &tabs, d)?;
+                    let counters = Tensor::zeros(b * heads.nkv, DType::U32, d)?;
+                    let x = step.to_device(d)?;
+                    let first = append_decode_attention(&x, &cache, &counters, heads, &p, Some(codec))?;
+                    let again = decode_attention(&x, &cache, &counters, heads, &p, Some(codec))?;
+                    assert_eq!(counters.to_vec1::<u32>()?, vec![0; b * heads.nkv], "{what}: counters");
+                    assert_close(&again.to_device(&cpu)?, &first.to_device(&cpu)?, 0.0, 0.0, &format!("{what}: second call"))?;
+                    outs.push(first.to_device(&cpu)?);
+                    caches.push(cache.to_device(&cpu)?);
+                }
+                let (n, at) = byte_diff(&caches[0], &caches[1])?;
+                assert_eq!(n, 0, "{what}: {n} cache bytes differ, first at {at:?}");
+                let deq: Vec<Tensor> = [&caches[0], &caches[1].to_device(&dev)?]
+                    .iter()
+                    .map(|c| kv_dequantize(c, len, heads.hd, codec, DType::F32)?.to_device(&cpu))
+                    .collect::<candle_core::Result<_>>()?;
+                assert_close(&deq[1], &deq[0], 0.0, 0.0, &format!("{what}: dequantize"))?;
+                let (d, i, r) = max_abs_diff(&outs[1], &outs[0])?;
+                println!("quantized decode attention {what}: max |diff| {d:.2e} at {i} (ref {r:.3})");
+                assert_close(&outs[1], &outs[0], tol, tol, &format!("{what}: attention"))?;
+            }
+        }
+    }
     Ok(())
 }

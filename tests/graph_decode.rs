@@ -7,7 +7,7 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use candle_lowbit::graph::{GraphDecoder, Mode};
-use candle_lowbit::{Cache, KvFormat, Llama, WeightFormat};
+use candle_lowbit::{Cache, KvFormat, KvSpec, Llama, WeightFormat};
 use candle_nn::VarBuilder;
 
 /// Prefill `prompts` (batch), then `steps` greedy decode steps through `forward` and
@@ -19,7 +19,27 @@ fn replay_matches_eager(
     steps: usize,
     format: WeightFormat,
 ) -> Result<Mode> {
-    let cfg = common::tiny_config(4);
+    replay_with_kv(dev, dtype, steps, format, KvFormat::Dense)
+}
+
+/// As [`replay_matches_eager`] with the KV cache in `kv` (quantized caches: heads of 32,
+/// Oaken with the thresholds of N(0, 1)).
+fn replay_with_kv(
+    dev: &Device,
+    dtype: DType,
+    steps: usize,
+    format: WeightFormat,
+    kv: KvFormat,
+) -> Result<Mode> {
+    let cfg = match kv {
+        KvFormat::Dense => common::tiny_config(4),
+        _ => candle_lowbit::Config {
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            ..common::tiny_config(4)
+        },
+    };
+    let spec = KvSpec::uncalibrated(kv, cfg.num_hidden_layers)?;
     let w = common::random_weights(&cfg, 21, &Device::Cpu)?;
     let w = w
         .into_iter()
@@ -29,8 +49,8 @@ fn replay_matches_eager(
     model.quantize(format)?;
     let prompt = Tensor::new(&[[5u32, 9, 2, 77, 31, 8, 4], [44, 3, 1, 1, 9, 60, 2]], dev)?;
     let cap = 7 + steps + 1;
-    let mut eager_cache = Cache::with_capacity(cap, KvFormat::Dense, dtype, &cfg, dev)?;
-    let mut graph_cache = Cache::with_capacity(cap, KvFormat::Dense, dtype, &cfg, dev)?;
+    let mut eager_cache = Cache::with_spec(cap, &spec, dtype, &cfg, dev)?;
+    let mut graph_cache = Cache::with_spec(cap, &spec, dtype, &cfg, dev)?;
     eager_cache.set_left_padding(&[0, 2]);
     graph_cache.set_left_padding(&[0, 2]);
     let mut logits = model.forward(&prompt, 0, &mut eager_cache)?;
@@ -95,6 +115,30 @@ fn graph_replay_matches_eager_gpu_every_format() -> Result<()> {
         let mode = replay_matches_eager(&dev, DType::F16, 64, f)?;
         println!("{f}: 64 steps bit-identical, mode {mode:?}");
         assert_eq!(mode, Mode::Graph, "{f}: the decoder did not replay a graph");
+    }
+    Ok(())
+}
+
+/// The quantized KV caches replay a captured graph bit-identically to eager.
+#[cfg(feature = "cuda")]
+#[test]
+fn graph_replay_matches_eager_gpu_quantized_kv() -> Result<()> {
+    let dev = candle_lowbit::graph::cuda_device(0)?;
+    for kv in [KvFormat::Kv4, KvFormat::Oaken] {
+        for f in [WeightFormat::Dense, WeightFormat::Int4] {
+            let mode = replay_with_kv(&dev, DType::F16, 64, f, kv)?;
+            println!("{f} kv {kv}: 64 steps bit-identical, mode {mode:?}");
+            assert_eq!(mode, Mode::Graph, "{f} kv {kv}: the decoder did not replay a graph");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn decoder_matches_eager_cpu_quantized_kv() -> Result<()> {
+    for kv in [KvFormat::Kv4, KvFormat::Oaken] {
+        let mode = replay_with_kv(&Device::Cpu, DType::F32, 12, WeightFormat::Dense, kv)?;
+        assert!(matches!(mode, Mode::Eager(_)), "kv {kv}: {mode:?}");
     }
     Ok(())
 }

@@ -5,9 +5,11 @@
 //!   `q·kᵀ/√d`, softmax, `·v`, cast back. (The grown cache it returns is dropped, so every
 //!   step sees L.)
 //! - `ours-kv<format>`: our `KvCache` in every `KvFormat::ALL`, as our Llama's decode step
-//!   calls it: `append_attend_decode` (RoPE on q and k, write k and v at row L, attention
-//!   over L + 1 rows: one launch on CUDA); `append` then the generic `attend` where the
-//!   fused kernel does not take the head geometry.
+//!   calls it: `append_attend_decode` (RoPE on q and k, write k and v at row L — encoded,
+//!   for a quantized cache — and attention over L + 1 rows read directly from the cache:
+//!   one launch on CUDA); `append` then the generic `attend` where the fused kernel does
+//!   not take the head geometry. Oaken runs with the thresholds of N(0, 1), the
+//!   distribution of the case's keys and values.
 //!
 //! Both start from the same keys: ours appends raw keys (rotated on the way in), stock's
 //! cache holds the same keys rotated by candle's `rope`. Ours is checked against the stock
@@ -22,7 +24,7 @@ use crate::util::{classify, nbytes, randn, rel_err, rotation, time_batched, Ctx,
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_lowbit::ops::{Heads, StepPositions};
-use candle_lowbit::{KvCache, KvFormat};
+use candle_lowbit::{KvCache, KvFormat, KvSpec};
 
 const MIN_SAMPLE_S: f64 = 2e-3;
 
@@ -209,8 +211,10 @@ fn our_caches(
         k.shape()
     );
     let nh = h.nh;
+    // The keys and values are N(0, 1): Oaken's thresholds are that distribution's.
+    let enc = KvSpec::uncalibrated(f, 1)?.encoding(0)?;
     let mut caches: Vec<KvCache> = (0..n)
-        .map(|_| KvCache::new(f, h, l + 1, ctx.dtype, &ctx.dev))
+        .map(|_| KvCache::new(enc.clone(), h, l + 1, ctx.dtype, &ctx.dev))
         .collect();
     for s in (0..l).step_by(2048) {
         let len = 2048.min(l - s);
@@ -421,8 +425,8 @@ fn tolerance(f: KvFormat) -> f64 {
 
 /// Our decode step on one cache: append the new token at row L, attend over L + 1.
 fn our_step(c: &Case, cache: &mut KvCache, p: &StepPositions) -> candle_core::Result<Tensor> {
-    if c.h.fused_ok() {
-        return cache.append_attend_decode(&c.qkv_new, c.len, p);
+    if let Some(y) = cache.append_attend_decode(&c.qkv_new, c.len, p)? {
+        return Ok(y);
     }
     cache.append(&c.qkv_new, c.len, p)?;
     let (h, b) = (c.h, c.b);

@@ -330,8 +330,11 @@ impl Engine {
                 // A captured graph points at the old cache's storage: drop it with the cache.
                 *decoder = None;
                 *cache = None;
-                *cache = Some(Box::new(Cache::with_capacity(
-                    max_len, *kv, *dtype, cfg, dev,
+                // Random weights have no calibration: Oaken runs with N(0, 1) thresholds
+                // (speed rows only).
+                let spec = candle_lowbit::KvSpec::uncalibrated(*kv, cfg.num_hidden_layers)?;
+                *cache = Some(Box::new(Cache::with_spec(
+                    max_len, &spec, *dtype, cfg, dev,
                 )?));
             }
             Self::QLlama { model, .. } => model.clear_kv_cache(),

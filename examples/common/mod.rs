@@ -10,7 +10,9 @@ use candle_lowbit::formats::QuantOptions;
 use candle_lowbit::gptq::GptqConfig;
 use candle_lowbit::loader::{self, CalibSource, LoadOptions, Loaded};
 use candle_lowbit::model_files::ModelSource;
-use candle_lowbit::{KvFormat, WeightFormat};
+use candle_lowbit::kv::oaken::OakenCalibration;
+use candle_lowbit::kv::{KvSpec, OakenFractions};
+use candle_lowbit::{Cache, KvFormat, WeightFormat};
 use std::path::PathBuf;
 
 /// Where calibration text is looked for when `--calib` is not given.
@@ -59,7 +61,9 @@ pub struct ModelArgs {
     #[arg(long)]
     pub list_formats: bool,
 
-    /// KV-cache format: f16 (dense, in --dtype).
+    /// KV-cache format: f16 (dense, in --dtype), kv4 (INT4 per token and head), oaken
+    /// (Oaken's 4/5-bit with offline thresholds: from the checkpoint, else calibrated on
+    /// --calib at load).
     #[arg(long, default_value = "f16")]
     pub kv_cache: KvFormat,
 
@@ -113,6 +117,15 @@ pub struct CalibArgs {
     /// w2416: fraction of the weights kept as sparse f16 outliers (0 for none).
     #[arg(long, default_value_t = candle_lowbit::formats::w2416::DEFAULT_OUTLIERS)]
     pub outliers: f64,
+
+    /// oaken KV cache: fraction of the values in the outer group (thresholds at the
+    /// outer/2 and 1 - outer/2 quantiles).
+    #[arg(long, default_value_t = 0.04)]
+    pub oaken_outer: f64,
+
+    /// oaken KV cache: fraction of the values in the inner group (around the median).
+    #[arg(long, default_value_t = 0.06)]
+    pub oaken_inner: f64,
 }
 
 impl CalibArgs {
@@ -201,8 +214,70 @@ pub struct Session {
     pub source: ModelSource,
     pub loaded: Loaded,
     pub kv_cache: KvFormat,
+    /// The KV format with what it needs (Oaken's thresholds).
+    pub kv: KvSpec,
+    /// Where Oaken's thresholds came from, and the calibration itself.
+    pub kv_oaken: Option<(String, OakenCalibration)>,
     /// Seconds the load took (quantization included).
     pub load_secs: f64,
+}
+
+impl Session {
+    /// A cache of `max_len` tokens per sequence in the session's KV format.
+    pub fn cache(&self, max_len: usize) -> Result<Cache> {
+        Ok(Cache::with_spec(
+            max_len,
+            &self.kv,
+            self.dtype,
+            &self.loaded.config,
+            &self.device,
+        )?)
+    }
+}
+
+/// The KV format of `args` with what it needs: Oaken's thresholds from the checkpoint, or
+/// calibrated now on `--calib` (K after RoPE, as the cache stores it).
+fn kv_spec(
+    args: &ModelArgs,
+    loaded: &Loaded,
+    dtype: DType,
+    bars: &mut Bars,
+) -> Result<(KvSpec, Option<(String, OakenCalibration)>)> {
+    if args.kv_cache != KvFormat::Oaken {
+        return Ok((KvSpec::from_format(args.kv_cache)?, None));
+    }
+    let fractions = OakenFractions {
+        outer: args.calib.oaken_outer,
+        inner: args.calib.oaken_inner,
+    };
+    if let Some(c) = loaded.manifest.as_ref().and_then(|m| m.kv_oaken.clone()) {
+        if c.fractions == fractions {
+            return Ok((KvSpec::Oaken(c.layers.clone()), Some(("checkpoint".into(), c))));
+        }
+    }
+    let Some(src) = args.calib.source() else {
+        anyhow::bail!(
+            "--kv-cache oaken needs thresholds: a checkpoint written with --kv-cache oaken, or calibration text (--calib FILE; the default {DEFAULT_CALIB} is not here)"
+        )
+    };
+    let t0 = std::time::Instant::now();
+    let (windows, _) = loader::calibration_windows(&src, &loaded.tokenizer)?;
+    let c = candle_lowbit::calib::oaken_thresholds(
+        &loaded.model,
+        &loaded.config,
+        &windows,
+        (args.calib.calib_batch, dtype),
+        fractions,
+        bars,
+    )?;
+    let how = format!(
+        "calibrated at load on {} x {} tokens of {} in {:.1}s",
+        src.config.samples,
+        src.config.len,
+        src.path.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok((KvSpec::Oaken(c.layers.clone()), Some((how, c))))
 }
 
 /// CUDA device 0 (set up for graph replay) if built with the `cuda` feature and one is
@@ -311,12 +386,15 @@ pub fn load(args: &ModelArgs) -> Result<Session> {
         .with_context(|| format!("loading the model from {}", source.path().display()))?;
     device.synchronize()?;
     let load_secs = t0.elapsed().as_secs_f64();
+    let (kv, kv_oaken) = kv_spec(args, &loaded, dtype, &mut bars)?;
     Ok(Session {
         device,
         dtype,
         source,
         loaded,
         kv_cache: args.kv_cache,
+        kv,
+        kv_oaken,
         load_secs,
     })
 }
@@ -356,7 +434,19 @@ pub fn describe(s: &Session) -> Result<String> {
             took.join(", ")
         );
     }
-    line += &format!(" | kv cache {}", s.kv_cache);
+    let hd = s.loaded.config.hidden_size / s.loaded.config.num_attention_heads.max(1);
+    line += &format!(
+        " | kv cache {} ({:.2} bits/value",
+        s.kv_cache,
+        s.kv_cache.bits_per_value(hd, s.dtype)
+    );
+    if let Some((how, c)) = &s.kv_oaken {
+        line += &format!(
+            ", thresholds {how}, outer {} / inner {}",
+            c.fractions.outer, c.fractions.inner
+        );
+    }
+    line += ")";
     if let Some(q) = &s.loaded.quantized {
         line += &format!(" | quantized at load in {:.1}s", q.seconds);
         if q.tokens > 0 {

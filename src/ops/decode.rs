@@ -7,6 +7,7 @@
 //!
 //! The KV cache is one tensor `[2, b, n_kv, max_len, hd]` (keys, then values).
 
+use crate::kv::KvCodec;
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, InplaceOp1, InplaceOp2, Layout, Result, Shape, Tensor,
@@ -95,6 +96,22 @@ cpu_mut!(f32, F32);
 cpu_mut!(half::f16, F16);
 cpu_mut!(half::bf16, BF16);
 cpu_mut!(u32, U32);
+
+/// A contiguous float CPU tensor's elements as f32 (the references' inputs).
+pub(crate) fn cpu_f32(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+    Ok(match s.dtype() {
+        DType::F32 => contiguous_slice::<f32>(s, l, "input")?.to_vec(),
+        DType::F16 => contiguous_slice::<half::f16>(s, l, "input")?
+            .iter()
+            .map(|&x| f(x))
+            .collect(),
+        DType::BF16 => contiguous_slice::<half::bf16>(s, l, "input")?
+            .iter()
+            .map(|&x| f(x))
+            .collect(),
+        dt => candle_core::bail!("unsupported dtype {dt:?} (f32, f16, bf16)"),
+    })
+}
 
 fn f<T: WithDType>(x: T) -> f32 {
     x.to_f64() as f32
@@ -291,7 +308,7 @@ pub fn rope_kv_append(cache: &Tensor, qkv: &Tensor, heads: Heads, p: &StepPositi
     )
 }
 
-fn check_positions(p: &StepPositions, b: usize, hd: usize) -> Result<()> {
+pub(crate) fn check_positions(p: &StepPositions, b: usize, hd: usize) -> Result<()> {
     if p.pos.dtype() != DType::U32
         || p.pos.elem_count() != 1
         || p.pads.dtype() != DType::U32
@@ -319,16 +336,16 @@ struct RopeKvAppend {
 }
 
 /// Host copies of positions and tables (CPU reference only).
-struct HostPositions {
-    pos: usize,
-    pads: Vec<u32>,
+pub(crate) struct HostPositions {
+    pub(crate) pos: usize,
+    pub(crate) pads: Vec<u32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
     half: usize,
 }
 
 impl HostPositions {
-    fn read(p: &StepPositions) -> Result<Self> {
+    pub(crate) fn read(p: &StepPositions) -> Result<Self> {
         Ok(Self {
             pos: cpu_vec::<u32>(&p.pos)?[0] as usize,
             pads: cpu_vec(&p.pads)?,
@@ -339,7 +356,7 @@ impl HostPositions {
     }
 
     /// Rotate `x` (one head, hd values) for RoPE position `rpos` into `out`.
-    fn rotate(&self, x: &[f32], rpos: usize, out: &mut [f32]) -> Result<()> {
+    pub(crate) fn rotate(&self, x: &[f32], rpos: usize, out: &mut [f32]) -> Result<()> {
         let h = self.half;
         if (rpos + 1) * h > self.cos.len() {
             candle_core::bail!(
@@ -355,7 +372,7 @@ impl HostPositions {
         Ok(())
     }
 
-    fn rope_pos(&self, seq_idx: usize, i: usize) -> usize {
+    pub(crate) fn rope_pos(&self, seq_idx: usize, i: usize) -> usize {
         (self.pos + i).saturating_sub(self.pads[seq_idx] as usize)
     }
 }
@@ -464,6 +481,9 @@ impl InplaceOp2 for RopeKvAppend {
 /// Attention of each sequence's one new token (the Q part of `qkv` `[b, 1, (nh+2nkv) hd]`,
 /// rotated here for its position) over cache rows `0..=pos`. Returns `[b, 1, nh hd]`.
 ///
+/// `cache`: dense `[2, b, nkv, max_len, hd]` in `qkv`'s dtype (`codec` `None`), or packed
+/// `u8 [2, b, nkv, max_len, rec]` in `codec`'s encoding (read and dequantized in registers).
+///
 /// `counters`: u32 `[b * nkv]`, all zero, owned by the caller and kept for every later
 /// call on this cache (the GPU kernel's blocks count themselves in it to decide which
 /// merges the key chunks, and leave it zero again; a captured graph relies on that).
@@ -473,13 +493,15 @@ pub fn decode_attention(
     counters: &Tensor,
     heads: Heads,
     p: &StepPositions,
+    codec: Option<KvCodec>,
 ) -> Result<Tensor> {
-    check_attention(qkv, cache, counters, heads, p)?;
+    check_attention(qkv, cache, counters, heads, p, codec)?;
     let op = DecodeAttention {
         heads,
         p: p.clone(),
         counters: counters.clone(),
         append: false,
+        codec,
     };
     qkv.contiguous()?
         .apply_op2_no_bwd(&cache.contiguous()?, &op)
@@ -496,13 +518,20 @@ pub fn append_decode_attention(
     counters: &Tensor,
     heads: Heads,
     p: &StepPositions,
+    codec: Option<KvCodec>,
 ) -> Result<Tensor> {
     if !cache.device().is_cuda() {
-        rope_kv_append(cache, qkv, heads, p)?;
-        return decode_attention(qkv, cache, counters, heads, p);
+        match codec {
+            None => rope_kv_append(cache, qkv, heads, p)?,
+            Some(c) => super::kv_quant::kv_append(cache, qkv, heads, p, c)?,
+        }
+        return decode_attention(qkv, cache, counters, heads, p, codec);
     }
-    if !cache.is_contiguous() || cache.layout().start_offset() != 0 || qkv.dtype() != cache.dtype()
-    {
+    let dtype_ok = match codec {
+        None => qkv.dtype() == cache.dtype(),
+        Some(_) => cache.dtype() == DType::U8,
+    };
+    if !cache.is_contiguous() || cache.layout().start_offset() != 0 || !dtype_ok {
         candle_core::bail!(
             "append_decode_attention: the cache must be a whole contiguous tensor of qkv's dtype, got {:?} {:?} for qkv {:?}",
             cache.layout(),
@@ -510,12 +539,13 @@ pub fn append_decode_attention(
             qkv.dtype()
         )
     }
-    check_attention(qkv, cache, counters, heads, p)?;
+    check_attention(qkv, cache, counters, heads, p, codec)?;
     let op = DecodeAttention {
         heads,
         p: p.clone(),
         counters: counters.clone(),
         append: true,
+        codec,
     };
     qkv.contiguous()?.apply_op2_no_bwd(cache, &op)
 }
@@ -526,20 +556,32 @@ fn check_attention(
     counters: &Tensor,
     heads: Heads,
     p: &StepPositions,
+    codec: Option<KvCodec>,
 ) -> Result<()> {
     let (b, seq, w) = qkv.dims3()?;
-    let (_, cb, nkv, _, hd) = cache.dims5()?;
+    let (_, cb, nkv, _, row) = cache.dims5()?;
+    let (row_ok, dtype_ok) = match codec {
+        None => (row == heads.hd, cache.dtype() == qkv.dtype()),
+        Some(c) => (
+            KvCodec::supports(heads.hd) && row == c.rec_bytes(heads.hd),
+            cache.dtype() == DType::U8,
+        ),
+    };
     if seq != 1
         || w != heads.qkv_width()
         || cb != b
         || nkv != heads.nkv
-        || hd != heads.hd
+        || !row_ok
+        || !dtype_ok
         || !heads.fused_ok()
     {
         candle_core::bail!(
-            "decode_attention: qkv {:?} / cache {:?} unsupported for {heads:?}",
+            "decode_attention: qkv {:?} {:?} / cache {:?} {:?} unsupported for {heads:?} ({})",
             qkv.shape(),
-            cache.shape()
+            qkv.dtype(),
+            cache.shape(),
+            cache.dtype(),
+            codec.map_or("dense", |c| c.name())
         )
     }
     if counters.dtype() != DType::U32
@@ -553,7 +595,7 @@ fn check_attention(
             counters.dtype()
         )
     }
-    check_positions(p, b, hd)
+    check_positions(p, b, heads.hd)
 }
 
 struct DecodeAttention {
@@ -563,8 +605,10 @@ struct DecodeAttention {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     counters: Tensor,
     /// The kernel also writes row `pos` of the cache (CUDA only: on the CPU
-    /// `append_decode_attention` runs `rope_kv_append` first and this op without it).
+    /// `append_decode_attention` runs the append first and this op without it).
     append: bool,
+    /// The packed cache's encoding (`None`: dense rows of the run dtype).
+    codec: Option<KvCodec>,
 }
 
 fn attend_one(
@@ -610,71 +654,60 @@ impl CustomOp2 for DecodeAttention {
         }
         let hp = HostPositions::read(&self.p)?;
         let dims = l2.shape().dims().to_vec();
-        fn run<T: WithDType>(
-            op: &DecodeAttention,
-            hp: &HostPositions,
-            qkv: &[T],
-            cache: &[T],
-            dims: &[usize],
-        ) -> Result<CpuStorage> {
-            let Heads { nh, nkv, hd } = op.heads;
-            let (b, max_len) = (dims[1], dims[3]);
-            if hp.pos >= max_len {
-                candle_core::bail!(
-                    "decode_attention: position {} past the cache's {max_len}",
-                    hp.pos
-                )
-            }
-            let (w, g, len) = (op.heads.qkv_width(), nh / nkv, hp.pos + 1);
-            let mut out = vec![T::zero(); b * nh * hd];
-            let mut q = vec![0f32; hd];
-            for s in 0..b {
-                for kvh in 0..nkv {
-                    let base = (s * nkv + kvh) * max_len * hd;
-                    let keys: Vec<f32> =
-                        cache[base..base + len * hd].iter().map(|&x| f(x)).collect();
-                    let vb = b * nkv * max_len * hd + base;
-                    let vals: Vec<f32> = cache[vb..vb + len * hd].iter().map(|&x| f(x)).collect();
-                    for hh in 0..g {
-                        let head = kvh * g + hh;
-                        let x: Vec<f32> = qkv[s * w + head * hd..s * w + (head + 1) * hd]
-                            .iter()
-                            .map(|&x| f(x))
-                            .collect();
-                        hp.rotate(&x, hp.rope_pos(s, 0), &mut q)?;
-                        let o = attend_one(hp, &q, &keys, &vals, hp.pads[s] as usize, hd);
-                        for d in 0..hd {
-                            out[(s * nh + head) * hd + d] = t(o[d]);
-                        }
+        let Heads { nh, nkv, hd } = self.heads;
+        let (b, max_len, row) = (dims[1], dims[3], dims[4]);
+        if hp.pos >= max_len {
+            candle_core::bail!(
+                "decode_attention: position {} past the cache's {max_len}",
+                hp.pos
+            )
+        }
+        let len = hp.pos + 1;
+        // Rows 0..len of head (kv, s, kvh) in f32: dense rows, or decoded records.
+        let dense = match self.codec {
+            None => Some(cpu_f32(s2, l2)?),
+            Some(_) => None,
+        };
+        let packed = match self.codec {
+            Some(_) => Some(contiguous_slice::<u8>(s2, l2, "cache")?),
+            None => None,
+        };
+        let rows = |kv: usize, s: usize, kvh: usize| -> Vec<f32> {
+            let head = (kv * b + s) * nkv + kvh;
+            match (&dense, packed, self.codec) {
+                (Some(d), _, _) => d[head * max_len * hd..(head * max_len + len) * hd].to_vec(),
+                (_, Some(c), Some(codec)) => {
+                    let mut out = vec![0f32; len * hd];
+                    for j in 0..len {
+                        let off = (head * max_len + j) * row;
+                        codec.dequantize_row(kv, &c[off..off + row], &mut out[j * hd..(j + 1) * hd]);
                     }
+                    out
+                }
+                _ => vec![],
+            }
+        };
+        let qkv = cpu_f32(s1, l1)?;
+        let (w, g) = (self.heads.qkv_width(), nh / nkv);
+        let mut out = vec![0f32; b * nh * hd];
+        let mut q = vec![0f32; hd];
+        for s in 0..b {
+            for kvh in 0..nkv {
+                let (keys, vals) = (rows(0, s, kvh), rows(1, s, kvh));
+                for hh in 0..g {
+                    let head = kvh * g + hh;
+                    let x = &qkv[s * w + head * hd..s * w + (head + 1) * hd];
+                    hp.rotate(x, hp.rope_pos(s, 0), &mut q)?;
+                    let o = attend_one(&hp, &q, &keys, &vals, hp.pads[s] as usize, hd);
+                    out[(s * nh + head) * hd..(s * nh + head + 1) * hd].copy_from_slice(&o);
                 }
             }
-            Ok(T::to_cpu_storage_owned(out))
         }
         let out = match s1.dtype() {
-            DType::F32 => run(
-                self,
-                &hp,
-                contiguous_slice::<f32>(s1, l1, "qkv")?,
-                contiguous_slice(s2, l2, "cache")?,
-                &dims,
-            ),
-            DType::F16 => run(
-                self,
-                &hp,
-                contiguous_slice::<half::f16>(s1, l1, "qkv")?,
-                contiguous_slice(s2, l2, "cache")?,
-                &dims,
-            ),
-            DType::BF16 => run(
-                self,
-                &hp,
-                contiguous_slice::<half::bf16>(s1, l1, "qkv")?,
-                contiguous_slice(s2, l2, "cache")?,
-                &dims,
-            ),
-            dt => candle_core::bail!("decode_attention: unsupported dtype {dt:?}"),
-        }?;
+            DType::F16 => CpuStorage::F16(out.into_iter().map(half::f16::from_f32).collect()),
+            DType::BF16 => CpuStorage::BF16(out.into_iter().map(half::bf16::from_f32).collect()),
+            _ => CpuStorage::F32(out),
+        };
         Ok((
             out,
             Shape::from((dims[1], 1, self.heads.nh * self.heads.hd)),
@@ -694,7 +727,7 @@ impl CustomOp2 for DecodeAttention {
             self.heads,
             &self.p,
             &self.counters,
-            self.append,
+            (self.append, self.codec),
             s1,
             l1,
             s2,

@@ -2,7 +2,9 @@
 //! Shapes and dtypes are validated by the callers in `decode.rs`.
 
 use super::{Heads, StepPositions};
-use crate::kernels::{contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, with_view, Arg};
+use crate::kernels::{contiguous_view, dptr, launch_params, launch_pdl, ptx, raw_ptr, with_view, Arg};
+use crate::kv::oaken::KvThr;
+use crate::kv::KvCodec;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
@@ -223,14 +225,44 @@ fn clusters_supported(dev: &candle_core::CudaDevice) -> Result<bool> {
     Ok(major >= 9)
 }
 
+/// `AttnParams` of `cuda/decode_attention.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct AttnParams {
+    qkv: u64,
+    cos: u64,
+    sin: u64,
+    k: u64,
+    v: u64,
+    pos: u64,
+    pads: u64,
+    part_o: u64,
+    part_ml: u64,
+    counters: u64,
+    out: u64,
+    nh: i32,
+    nkv: i32,
+    hd: i32,
+    max_len: i32,
+    n_split: i32,
+    chunk: i32,
+    cluster: i32,
+    rec: i32,
+    scale: f32,
+    pad: f32,
+    thr_k: KvThr,
+    thr_v: KvThr,
+}
+
 /// `append`: the kernel also writes row `pos` of the cache (RoPE'd K and V from `qkv`);
-/// the cache storage `s2` must then be the whole contiguous cache tensor.
+/// the cache storage `s2` must then be the whole contiguous cache tensor. `codec`: the
+/// packed cache's encoding (`None`: dense rows of the run dtype).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn decode_attention(
     heads: Heads,
     p: &StepPositions,
     counters: &Tensor,
-    append: bool,
+    (append, codec): (bool, Option<KvCodec>),
     s1: &CudaStorage,
     l1: &Layout,
     s2: &CudaStorage,
@@ -241,7 +273,7 @@ pub(super) fn decode_attention(
         heads: Heads,
         p: &StepPositions,
         counters: &Tensor,
-        append: bool,
+        (append, codec): (bool, Option<KvCodec>),
         s1: &CudaStorage,
         l1: &Layout,
         s2: &CudaStorage,
@@ -257,14 +289,19 @@ pub(super) fn decode_attention(
         let (b, max_len) = (dims[1], dims[3]);
         let Heads { nh, nkv, hd } = heads;
         let g = nh / nkv;
-        let vec = 16 / T::DTYPE.size_in_bytes();
-        if hd % vec != 0 || hd / vec > 32 || (128 / (hd / vec)) * (hd / vec) != 128 {
+        // Values per lane chunk (EPL in cuda/kv_codec.cuh) and bytes per row.
+        let (epl, rec) = match codec {
+            None => (16 / T::DTYPE.size_in_bytes(), hd * T::DTYPE.size_in_bytes()),
+            Some(c) => (8, c.rec_bytes(hd)),
+        };
+        if hd % epl != 0 || hd / epl > 32 || (128 / (hd / epl)) * (hd / epl) != 128 {
             candle_core::bail!(
-                "decode_attention: head dim {hd} unsupported for {:?}",
-                T::DTYPE
+                "decode_attention: head dim {hd} unsupported for {:?} ({})",
+                T::DTYPE,
+                codec.map_or("dense", |c| c.name())
             )
         }
-        let batch_rows = (ATTN_THREADS as usize / (hd / vec)) * ATTN_UNROLL;
+        let batch_rows = (ATTN_THREADS as usize / (hd / epl)) * ATTN_UNROLL;
         let chunk = attn_chunk(max_len, batch_rows);
         let n_split = max_len.div_ceil(chunk);
         // Clusters only at batch 1 and where one cluster holds a KV head's whole cache.
@@ -279,61 +316,93 @@ pub(super) fn decode_attention(
             } else {
                 0
             };
-        let smem = (g * hd + g * chunk + ATTN_THREADS as usize * vec * g) * 4;
+        let smem = (g * hd + g * chunk + ATTN_THREADS as usize * epl * g) * 4;
         if smem > 48 * 1024 {
             candle_core::bail!(
                 "decode_attention: {smem} bytes of shared memory for {heads:?} (limit 48 KiB)"
             )
         }
         let qkv = contiguous_view::<T>(s1, l1, "qkv")?;
-        let cache = contiguous_view::<T>(s2, l2, "cache")?;
-        let (k, v) = cache.split_at(cache.len() / 2);
+        // Dense caches come as T, packed ones as u8: the kernel takes byte addresses.
+        let stream = dev.cuda_stream();
+        let dense = match codec {
+            None => Some(contiguous_view::<T>(s2, l2, "cache")?),
+            Some(_) => None,
+        };
+        let packed = match codec {
+            Some(_) => Some(contiguous_view::<u8>(s2, l2, "cache")?),
+            None => None,
+        };
+        let (k_addr, bytes, _g0) = match (&dense, &packed) {
+            (Some(c), _) => {
+                let (a, g) = raw_ptr(c, &stream);
+                (a, c.len() * T::DTYPE.size_in_bytes(), g)
+            }
+            (_, Some(c)) => {
+                let (a, g) = raw_ptr(c, &stream);
+                (a, c.len(), g)
+            }
+            _ => candle_core::bail!("decode_attention: no cache view"),
+        };
+        let v_addr = k_addr + (bytes / 2) as u64;
         let part_o = unsafe { dev.alloc::<f32>(b * nh * n_split * hd)? };
         let part_ml = unsafe { dev.alloc::<f32>(b * nh * n_split * 2)? };
         let out = unsafe { dev.alloc::<T>(b * nh * hd)? };
-        let sfx = suffix(T::DTYPE)?;
-        let func = dev.get_or_load_custom_func(
-            &format!("attn_decode_{sfx}"),
-            "decode_attention",
-            ptx::DECODE_ATTENTION,
-        )?;
-        let scale = 1f32 / (hd as f32).sqrt();
-        let ints = [nh, nkv, hd, max_len, n_split, chunk];
-        let stream = dev.cuda_stream();
+        let name = format!(
+            "attn_decode_{}_{}{}",
+            suffix(T::DTYPE)?,
+            codec.map_or("dense", |c| c.name()),
+            if append { "_append" } else { "" }
+        );
+        let func =
+            dev.get_or_load_custom_func(&name, "decode_attention", ptx::DECODE_ATTENTION)?;
+        let thr = |kv| codec.map(|c| c.thr(kv)).unwrap_or_default();
         with_view::<f32, _>(&p.cos, "cos", |cos| {
             with_view::<f32, _>(&p.sin, "sin", |sin| {
                 with_view::<u32, _>(&p.pos, "pos", |pos| {
                     with_view::<u32, _>(&p.pads, "pads", |pads| {
                         with_view::<u32, _>(counters, "counters", |cnt| {
-                            let (qp, _g1) = dptr(&qkv, &stream);
-                            let ((cp, _g2), (sp, _g3)) = (dptr(&cos, &stream), dptr(&sin, &stream));
-                            let ((kp, _g4), (vp, _g5)) = (dptr(&k, &stream), dptr(&v, &stream));
+                            let (qp, _g1) = raw_ptr(&qkv, &stream);
+                            let ((cp, _g2), (sp, _g3)) =
+                                (raw_ptr(&cos, &stream), raw_ptr(&sin, &stream));
                             let ((pp, _g6), (dp, _g7)) =
-                                (dptr(&pos, &stream), dptr(&pads, &stream));
+                                (raw_ptr(&pos, &stream), raw_ptr(&pads, &stream));
                             let ((po, _g8), (pm, _g9)) =
-                                (dptr(&part_o, &stream), dptr(&part_ml, &stream));
+                                (raw_ptr(&part_o, &stream), raw_ptr(&part_ml, &stream));
                             let ((np, _g10), (op, _g11)) =
-                                (dptr(&cnt, &stream), dptr(&out, &stream));
-                            // k_out, v_out: the same buffers, written only with `append`.
-                            let mut args = vec![qp, cp, sp, kp, vp, kp, vp, pp, dp, po, pm, np, op];
-                            args.extend(ints.map(|x| Arg::I32(x as i32)));
-                            args.push(Arg::F32(scale));
-                            args.push(Arg::I32(append as i32));
-                            args.push(Arg::I32(cluster as i32));
-                            if cluster == 0 {
-                                let cfg = grid(n_split, nkv, b, ATTN_THREADS, smem as u32);
-                                return unsafe { launch_pdl(&func, &stream, cfg, &args) };
-                            }
-                            let cfg = grid(
-                                n_split.next_multiple_of(cluster),
-                                nkv,
-                                b,
-                                ATTN_THREADS,
-                                smem as u32,
-                            );
-                            unsafe {
-                                launch_pdl_cluster(&func, &stream, cfg, cluster as u32, &args)
-                            }
+                                (raw_ptr(&cnt, &stream), raw_ptr(&out, &stream));
+                            let params = AttnParams {
+                                qkv: qp,
+                                cos: cp,
+                                sin: sp,
+                                k: k_addr,
+                                v: v_addr,
+                                pos: pp,
+                                pads: dp,
+                                part_o: po,
+                                part_ml: pm,
+                                counters: np,
+                                out: op,
+                                nh: nh as i32,
+                                nkv: nkv as i32,
+                                hd: hd as i32,
+                                max_len: max_len as i32,
+                                n_split: n_split as i32,
+                                chunk: chunk as i32,
+                                cluster: cluster as i32,
+                                rec: rec as i32,
+                                scale: 1f32 / (hd as f32).sqrt(),
+                                pad: 0.0,
+                                thr_k: thr(0),
+                                thr_v: thr(1),
+                            };
+                            let x = if cluster == 0 {
+                                n_split
+                            } else {
+                                n_split.next_multiple_of(cluster)
+                            };
+                            let cfg = grid(x, nkv, b, ATTN_THREADS, smem as u32);
+                            unsafe { launch_params(&func, &stream, cfg, cluster as u32, &params) }
                         })
                     })
                 })
@@ -342,9 +411,9 @@ pub(super) fn decode_attention(
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
     match s1.dtype() {
-        DType::F32 => run::<f32>(heads, p, counters, append, s1, l1, s2, l2),
-        DType::F16 => run::<f16>(heads, p, counters, append, s1, l1, s2, l2),
-        DType::BF16 => run::<bf16>(heads, p, counters, append, s1, l1, s2, l2),
+        DType::F32 => run::<f32>(heads, p, counters, (append, codec), s1, l1, s2, l2),
+        DType::F16 => run::<f16>(heads, p, counters, (append, codec), s1, l1, s2, l2),
+        DType::BF16 => run::<bf16>(heads, p, counters, (append, codec), s1, l1, s2, l2),
         dt => candle_core::bail!("decode_attention: unsupported dtype {dt:?}"),
     }
 }

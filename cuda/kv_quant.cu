@@ -1,0 +1,96 @@
+// Quantized KV caches outside the decode attention: the prefill append (RoPE on K, then
+// encode K and V rows into the cache) and the dequantize used by prefill attention and the
+// tests. The encodings and the cache's byte layout: kv_codec.cuh.
+//
+//   qkv    [b, seq, (nh + 2 nkv) hd] T   fused projection; rows pos..pos+seq are written
+//   cos/sin [max_pos, hd/2] f32           RoPE tables (position pos + i - pads[s])
+//   cache  u8 [2, b, nkv, max_len, rec]  K records then V records
+//   out    [2, b, nkv, len, hd] T         (dequantize) rows 0..len of every head
+#include "kv_codec.cuh"
+
+using namespace lowbit;
+
+struct AppendParams {
+    const void* qkv;
+    const float* cos;
+    const float* sin;
+    const uint32_t* pos;
+    const uint32_t* pads;
+    uint8_t* k;
+    uint8_t* v;
+    int b, seq, nh, nkv, hd, max_len, rec, pad;
+    KvThr thr_k, thr_v;
+};
+
+// grid (seq, b, nkv), block 64: warp 0 encodes the K row (rotated), warp 1 the V row.
+template <typename T, typename E>
+__device__ void kv_append(const AppendParams& p) {
+    __shared__ float x_sh[2][128];
+    pdl_trigger();
+    pdl_wait();
+    const int i = blockIdx.x, s = blockIdx.y, kvh = blockIdx.z;
+    const int hd = p.hd, half = hd / 2, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = (int)p.pos[0] + i, rpos = max(row - (int)p.pads[s], 0);
+    const T* x = static_cast<const T*>(p.qkv) + ((size_t)s * p.seq + i) * (p.nh + 2 * p.nkv) * hd;
+    if (warp == 0) {
+        const T* k = x + (size_t)(p.nh + kvh) * hd;
+        for (int j = lane; j < half; j += 32) {
+            const float c = p.cos[(size_t)rpos * half + j], sn = p.sin[(size_t)rpos * half + j];
+            float y0, y1;
+            rope_pair_rn(to_f32(k[j]), to_f32(k[j + half]), c, sn, y0, y1);
+            x_sh[0][j] = to_f32(from_f32<T>(y0));
+            x_sh[0][j + half] = to_f32(from_f32<T>(y1));
+        }
+    } else {
+        const T* v = x + (size_t)(p.nh + p.nkv + kvh) * hd;
+        for (int j = lane; j < hd; j += 32) x_sh[1][j] = to_f32(v[j]);
+    }
+    __syncwarp();
+    const size_t off = (((size_t)s * p.nkv + kvh) * p.max_len + row) * p.rec;
+    if (warp == 0) E::quantize_warp(x_sh[0], p.k + off, hd, p.thr_k, lane);
+    else E::quantize_warp(x_sh[1], p.v + off, hd, p.thr_v, lane);
+}
+
+struct DequantParams {
+    const uint8_t* cache;
+    void* out;
+    int b, nkv, hd, max_len, len, rec;
+    KvThr thr_k, thr_v;
+};
+
+// One thread per chunk of E::EPL values: threads over [2, b, nkv, len, hd / EPL].
+template <typename T, typename E>
+__device__ void kv_dequantize(const DequantParams& p) {
+    pdl_trigger();
+    pdl_wait();
+    const int lpk = p.hd / E::EPL;
+    const size_t total = (size_t)2 * p.b * p.nkv * p.len * lpk;
+    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
+        const int sub = (int)(t % lpk);
+        const size_t r = t / lpk;  // (kv, s, h, j) over len rows
+        const int j = (int)(r % p.len);
+        const size_t head = r / p.len;  // (kv * b + s) * nkv + h
+        const bool is_v = head >= (size_t)p.b * p.nkv;
+        const E enc{p.cache + head * p.max_len * p.rec, p.rec, p.hd, is_v ? p.thr_v : p.thr_k};
+        float f[E::EPL];
+        enc.unpack(enc.load(j, sub), sub, f);
+        T* o = static_cast<T*>(p.out) + r * p.hd + sub * E::EPL;
+#pragma unroll
+        for (int e = 0; e < E::EPL; ++e) o[e] = from_f32<T>(f[e]);
+    }
+}
+
+#define KV_QUANT_KERNELS(SUF, T, ENC, E)                                                          \
+    extern "C" __global__ void __launch_bounds__(64) kv_append_##SUF##_##ENC(const __grid_constant__ AppendParams p) { \
+        kv_append<T, E>(p);                                                                       \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) kv_dequantize_##SUF##_##ENC(const __grid_constant__ DequantParams p) { \
+        kv_dequantize<T, E>(p);                                                                   \
+    }
+
+KV_QUANT_KERNELS(f32, float, kv4, Kv4)
+KV_QUANT_KERNELS(f16, __half, kv4, Kv4)
+KV_QUANT_KERNELS(bf16, __nv_bfloat16, kv4, Kv4)
+KV_QUANT_KERNELS(f32, float, oaken, Oaken)
+KV_QUANT_KERNELS(f16, __half, oaken, Oaken)
+KV_QUANT_KERNELS(bf16, __nv_bfloat16, oaken, Oaken)
