@@ -38,14 +38,14 @@
 // The launch shape is fixed by the capacity, not by pos: n_split = ceil(max_len / chunk)
 // blocks per KV head (rounded up to a multiple of `cluster` in the grid), `chunk` (a host choice) bounding the keys per block. Each launch
 // spreads the len = pos + 1 keys over those blocks: c = clamp(ceil(len / n_split), B,
-// chunk) keys per block, B = the rows one round of loads covers (ATTN_UNROLL rows per lane
-// group: 32 for f16 at hd 128), so a short context keeps many blocks busy (129 keys: 5
+// chunk) keys per block, B = the rows one round of loads covers (E::UNROLL rows per lane
+// group: 32 for f16 at hd 128, 128 for kv4), so a short context keeps many blocks busy (129 keys: 5
 // blocks of 32 per KV head, each loading all its rows before pdl_wait) and blocks past
 // the last key exit at once.
 //
 // Work split in a block (ATTN_THREADS threads): K and V rows are read in chunks of EPL
 // values, LPK = hd / EPL lanes per row, ATTN_THREADS / LPK rows at a time,
-// ATTN_UNROLL batches of loads issued before any is used. The first batch of K and V rows
+// E::UNROLL batches of loads issued before any is used. The first batch of K and V rows
 // older than pos is loaded before `pdl_wait` (nothing in the step writes them, and pos
 // is set before the step: see advance_pos in decode.cu), so at short contexts the whole
 // chunk streams in while the QKV projection finishes.
@@ -57,7 +57,6 @@ using namespace lowbit;
 
 #define ATTN_MAX_G 8
 #define ATTN_THREADS 128
-#define ATTN_UNROLL 4
 #define ATTN_MERGE 8
 #define ATTN_MAX_CLUSTER 8
 
@@ -79,11 +78,113 @@ struct AttnParams {
     KvThr thr_k, thr_v;
 };
 
+// The end of every decode-attention block: `o_sh` [g, hd] holds the block's unnormalised
+// output and m_sh, l_sh its per-head maximum and exp sum. One chunk: write the output. Up
+// to `cluster` chunks: block 0 of the cluster merges the members' (m, l, o) through
+// distributed shared memory. Otherwise: partials to global memory, and the last block of
+// the (sequence, KV head) merges them all.
+template <typename T>
+__device__ void attn_finish(const AttnParams& p, float* o_sh, float* m_sh, float* l_sh, bool* last_sh,
+                            int n_active, bool in_cluster) {
+    const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    const int nh = p.nh, nkv = p.nkv, hd = p.hd, n_split = p.n_split, g = nh / nkv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    T* out = static_cast<T*>(p.out);
+    const size_t row0 = (size_t)s * nh + (size_t)kvh * g;  // first query head of this block
+    if (n_active == 1) {
+        for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x)
+            out[row0 * hd + idx] = from_f32<T>(o_sh[idx] / l_sh[idx / hd]);
+        return;
+    }
+    if (in_cluster) {
+        cluster_sync();
+        if (split == 0) {
+            for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+                const int hh = idx / hd;
+                float mi[ATTN_MAX_CLUSTER], m = -INFINITY;
+#pragma unroll
+                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
+                    mi[r] = r < n_active ? ld_cluster(&m_sh[hh], r) : -INFINITY;
+                    m = fmaxf(m, mi[r]);
+                }
+                float l = 0.f, o = 0.f;
+#pragma unroll
+                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
+                    if (r < n_active && mi[r] != -INFINITY) {
+                        const float w = __expf(mi[r] - m);
+                        l += w * ld_cluster(&l_sh[hh], r);
+                        o += w * ld_cluster(&o_sh[idx], r);
+                    }
+                }
+                out[row0 * hd + idx] = from_f32<T>(o / l);
+            }
+        }
+        cluster_sync();
+        return;
+    }
+    float* part_o = p.part_o;
+    float* part_ml = p.part_ml;
+    for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+        const int hh = idx / hd, d = idx % hd;
+        const size_t row = (row0 + hh) * n_split + split;
+        part_o[row * hd + d] = o_sh[idx];
+        if (d == 0) { part_ml[row * 2] = m_sh[hh]; part_ml[row * 2 + 1] = l_sh[hh]; }
+    }
+
+    // The last block of this (sequence, KV head) to get here merges every chunk.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t ticket = atomicAdd(&p.counters[(size_t)s * nkv + kvh], 1u);
+        *last_sh = ticket == (uint32_t)(n_active - 1);
+    }
+    __syncthreads();
+    if (!*last_sh) return;
+    __threadfence();
+    // Per head: the largest chunk maximum M and the sum L of the chunks' exp sums scaled to
+    // it, a warp per head with its lanes over the chunks (loads of 32 chunks in flight).
+    for (int hh = warp; hh < g; hh += ATTN_THREADS / 32) {
+        const size_t r0 = (row0 + hh) * n_split;
+        float m = -INFINITY;
+        for (int i = lane; i < n_active; i += 32) m = fmaxf(m, __ldcg(part_ml + (r0 + i) * 2));
+        m = warp_max(m);
+        float l = 0.f;
+        for (int i = lane; i < n_active; i += 32) {
+            const float mi = __ldcg(part_ml + (r0 + i) * 2);
+            l += (mi == -INFINITY) ? 0.f : __expf(mi - m) * __ldcg(part_ml + (r0 + i) * 2 + 1);
+        }
+        l = warp_sum(l);
+        if (lane == 0) { m_sh[hh] = m; l_sh[hh] = l; }
+    }
+    __syncthreads();
+    // Outputs: each element sums its chunks in order, ATTN_MERGE chunks' loads at a time.
+    for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
+        const int hh = idx / hd, d = idx % hd;
+        const size_t r0 = (row0 + hh) * n_split;
+        const float m = m_sh[hh];
+        float o = 0.f;
+        for (int i0 = 0; i0 < n_active; i0 += ATTN_MERGE) {
+            float mi[ATTN_MERGE], oi[ATTN_MERGE];
+#pragma unroll
+            for (int u = 0; u < ATTN_MERGE; ++u) {
+                const int i = i0 + u;
+                mi[u] = i < n_active ? __ldcg(part_ml + (r0 + i) * 2) : -INFINITY;
+                oi[u] = i < n_active ? __ldcg(part_o + (r0 + i) * hd + d) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < ATTN_MERGE; ++u) o += (mi[u] == -INFINITY) ? 0.f : __expf(mi[u] - m) * oi[u];
+        }
+        out[(row0 + hh) * hd + d] = from_f32<T>(o / l_sh[hh]);
+    }
+    if (threadIdx.x == 0) p.counters[(size_t)s * nkv + kvh] = 0;
+}
+
+
 // grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem
 // (g*hd + g*chunk + ATTN_THREADS*EPL*g) floats.
 template <typename T, typename E, bool APPEND>
 __device__ void attn_decode(const AttnParams& p) {
-    constexpr int EPL = E::EPL;
+    constexpr int EPL = E::EPL, UNROLL = E::UNROLL;
     using Chunk = typename E::Chunk;
     extern __shared__ float sh[];
     __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
@@ -100,7 +201,7 @@ __device__ void attn_decode(const AttnParams& p) {
     const int rows_per_pass = ATTN_THREADS / lpk;
     const int len = (int)p.pos[0] + 1, j_new = len - 1;  // j_new: the current token's row
     // keys per block
-    const int c = min(chunk, max(rows_per_pass * ATTN_UNROLL, (len + n_split - 1) / n_split));
+    const int c = min(chunk, max(rows_per_pass * UNROLL, (len + n_split - 1) / n_split));
     const int start = split * c;
     const int n_active = (len + c - 1) / c;
     // Up to `cluster` active chunks merge through distributed shared memory in cluster 0
@@ -130,10 +231,10 @@ __device__ void attn_decode(const AttnParams& p) {
     const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)p.max_len * p.rec;
     const E kc{p.k + head_off, p.rec, hd, p.thr_k};
     const E vc{p.v + head_off, p.rec, hd, p.thr_v};
-    // The first ATTN_UNROLL rows per lane group of K and V, older rows only.
-    Chunk k_first[ATTN_UNROLL], v_first[ATTN_UNROLL];
+    // The first UNROLL rows per lane group of K and V, older rows only.
+    Chunk k_first[UNROLL], v_first[UNROLL];
 #pragma unroll
-    for (int u = 0; u < ATTN_UNROLL; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
         const int t = u * rows_per_pass + grp, j = start + t;
         const bool old = t < n && j != j_new;
         if (old) { k_first[u] = kc.load(j, sub); v_first[u] = vc.load(j, sub); }
@@ -213,10 +314,10 @@ __device__ void attn_decode(const AttnParams& p) {
     };
 
     // Scores: LPK lanes per key, partial dots reduced with shuffles inside the lane group.
-    for (int base = 0; base < n; base += rows_per_pass * ATTN_UNROLL) {
-        Chunk kv[ATTN_UNROLL];
+    for (int base = 0; base < n; base += rows_per_pass * UNROLL) {
+        Chunk kv[UNROLL];
 #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const int t = base + u * rows_per_pass + grp, j = start + t;
             if (base == 0) kv[u] = k_first[u];
             else if (t < n && j != j_new) kv[u] = kc.load(j, sub);
@@ -224,7 +325,7 @@ __device__ void attn_decode(const AttnParams& p) {
             if (t < n && j == j_new) new_k(kv[u]);
         }
 #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const int t = base + u * rows_per_pass + grp;
             float kf[EPL];
             kc.unpack(kv[u], sub, kf);
@@ -267,10 +368,10 @@ __device__ void attn_decode(const AttnParams& p) {
     for (int hh = 0; hh < ATTN_MAX_G; ++hh)
 #pragma unroll
         for (int e = 0; e < EPL; ++e) acc[hh][e] = 0.f;
-    for (int base = 0; base < n; base += rows_per_pass * ATTN_UNROLL) {
-        Chunk vv[ATTN_UNROLL];
+    for (int base = 0; base < n; base += rows_per_pass * UNROLL) {
+        Chunk vv[UNROLL];
 #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const int t = base + u * rows_per_pass + grp, j = start + t;
             if (base == 0) vv[u] = v_first[u];
             else if (t < n && j != j_new) vv[u] = vc.load(j, sub);
@@ -278,7 +379,7 @@ __device__ void attn_decode(const AttnParams& p) {
             if (t < n && j == j_new) new_v(vv[u]);
         }
 #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const int t = base + u * rows_per_pass + grp;
             if (t >= n) break;
             float vf[EPL];
@@ -302,109 +403,294 @@ __device__ void attn_decode(const AttnParams& p) {
     }
     __syncthreads();
 
-    T* out = static_cast<T*>(p.out);
-    const size_t row0 = (size_t)s * nh + (size_t)kvh * g;  // first query head of this block
-    if (n_active == 1) {
-        for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
-            const int hh = idx / hd, d = idx % hd;
-            float o = 0.f;
-            for (int u = 0; u < rows_per_pass; ++u) o += r_sh[(u * g + hh) * hd + d];
-            out[(row0 + hh) * hd + d] = from_f32<T>(o / l_sh[hh]);
-        }
-        return;
-    }
-    if (in_cluster) {
-        // This block's unnormalised output into q_sh (free since the scores); block 0
-        // reads every member's (m, l, o) from its shared memory and writes the result.
-        for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
-            const int hh = idx / hd, d = idx % hd;
-            float o = 0.f;
-            for (int u = 0; u < rows_per_pass; ++u) o += r_sh[(u * g + hh) * hd + d];
-            q_sh[idx] = o;
-        }
-        cluster_sync();
-        if (split == 0) {
-            for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
-                const int hh = idx / hd;
-                float mi[ATTN_MAX_CLUSTER], m = -INFINITY;
-#pragma unroll
-                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
-                    mi[r] = r < n_active ? ld_cluster(&m_sh[hh], r) : -INFINITY;
-                    m = fmaxf(m, mi[r]);
-                }
-                float l = 0.f, o = 0.f;
-#pragma unroll
-                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
-                    if (r < n_active && mi[r] != -INFINITY) {
-                        const float w = __expf(mi[r] - m);
-                        l += w * ld_cluster(&l_sh[hh], r);
-                        o += w * ld_cluster(&q_sh[idx], r);
-                    }
-                }
-                out[(row0 + hh) * hd + idx % hd] = from_f32<T>(o / l);
-            }
-        }
-        cluster_sync();
-        return;
-    }
-    float* part_o = p.part_o;
-    float* part_ml = p.part_ml;
+    // This block's unnormalised output, summed over the lane groups, into q_sh (free
+    // since the scores).
     for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
         const int hh = idx / hd, d = idx % hd;
         float o = 0.f;
         for (int u = 0; u < rows_per_pass; ++u) o += r_sh[(u * g + hh) * hd + d];
-        const size_t row = (row0 + hh) * n_split + split;
-        part_o[row * hd + d] = o;
-        if (d == 0) { part_ml[row * 2] = m_sh[hh]; part_ml[row * 2 + 1] = l_sh[hh]; }
-    }
-
-    // The last block of this (sequence, KV head) to get here merges every chunk.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const uint32_t ticket = atomicAdd(&p.counters[(size_t)s * nkv + kvh], 1u);
-        last_sh = ticket == (uint32_t)(n_active - 1);
+        q_sh[idx] = o;
     }
     __syncthreads();
-    if (!last_sh) return;
-    __threadfence();
-    // Per head: the largest chunk maximum M and the sum L of the chunks' exp sums scaled to
-    // it, a warp per head with its lanes over the chunks (loads of 32 chunks in flight).
-    for (int hh = warp; hh < g; hh += ATTN_THREADS / 32) {
-        const size_t r0 = (row0 + hh) * n_split;
-        float m = -INFINITY;
-        for (int i = lane; i < n_active; i += 32) m = fmaxf(m, __ldcg(part_ml + (r0 + i) * 2));
-        m = warp_max(m);
-        float l = 0.f;
-        for (int i = lane; i < n_active; i += 32) {
-            const float mi = __ldcg(part_ml + (r0 + i) * 2);
-            l += (mi == -INFINITY) ? 0.f : __expf(mi - m) * __ldcg(part_ml + (r0 + i) * 2 + 1);
-        }
-        l = warp_sum(l);
-        if (lane == 0) { m_sh[hh] = m; l_sh[hh] = l; }
-    }
-    __syncthreads();
-    // Outputs: each element sums its chunks in order, ATTN_MERGE chunks' loads at a time.
-    for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
-        const int hh = idx / hd, d = idx % hd;
-        const size_t r0 = (row0 + hh) * n_split;
-        const float m = m_sh[hh];
-        float o = 0.f;
-        for (int i0 = 0; i0 < n_active; i0 += ATTN_MERGE) {
-            float mi[ATTN_MERGE], oi[ATTN_MERGE];
-#pragma unroll
-            for (int u = 0; u < ATTN_MERGE; ++u) {
-                const int i = i0 + u;
-                mi[u] = i < n_active ? __ldcg(part_ml + (r0 + i) * 2) : -INFINITY;
-                oi[u] = i < n_active ? __ldcg(part_o + (r0 + i) * hd + d) : 0.f;
-            }
-#pragma unroll
-            for (int u = 0; u < ATTN_MERGE; ++u) o += (mi[u] == -INFINITY) ? 0.f : __expf(mi[u] - m) * oi[u];
-        }
-        out[(row0 + hh) * hd + d] = from_f32<T>(o / l_sh[hh]);
-    }
-    if (threadIdx.x == 0) p.counters[(size_t)s * nkv + kvh] = 0;
+    attn_finish<T>(p, q_sh, m_sh, l_sh, &last_sh, n_active, in_cluster);
 }
+
+// ---------------------------------------------------------------------------------------
+// kv4 on tensor cores (hd 64 or 128). Per warp, steps of 16 keys: S = Q·Kᵀ with
+// mma.m16n8k16 (rows: the g query heads of the KV head, padded to 16; n: 8 keys; k: hd)
+// on the raw 4-bit codes, each key's scale and min folded in afterwards
+// (s = scale·(q·c) + min·Σq); online softmax per head; O += (P·diag(v_scale))·C_v with the
+// V codes as the B operand and Σ p·v_min added per head at the end. Codes become f16 by
+// lop3 into the 0x6400 exponent (no per-element conversion); kv4_element (kv_codec.cuh)
+// gives the nibble order that makes every fragment one or two instructions away from the
+// loaded words. Four warps share a block's chunk of keys (steps interleaved) and merge in
+// shared memory; blocks merge as in the generic kernel (attn_finish).
+#define TC_WARPS 4
+#define TC_STEP 16
+
+__device__ __forceinline__ void mma_f16_16816(float* c, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// f16 pairs of nibbles (0, 4) and (1, 5) of w, exact: (w & mask) | 0x6400 is 1024 + n
+// (or 1024 + 16 n for the high nibbles).
+__device__ __forceinline__ uint32_t nib_lo(uint32_t w) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x64006400u));
+    const __half2 h = __hsub2(*reinterpret_cast<__half2*>(&r), __half2half2(__ushort_as_half(0x6400)));
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t nib_hi(uint32_t w) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w), "r"(0x00f000f0u), "r"(0x64006400u));
+    const __half2 h = __hfma2(*reinterpret_cast<__half2*>(&r), __float2half2_rn(0.0625f), __float2half2_rn(-64.f));
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+__device__ __forceinline__ uint32_t half2_bits(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// One warp step's loads: K codes of keys k0 + qr, k0 + 8 + qr (part qc); K scales of the
+// score fragment's keys k0 + 8t + 2qc + i; V codes and scales of keys k0 + 2qc +
+// {0, 1, 8, 9} (group qr). Keys past `end` load zeros.
+template <int HD> struct TcLoads {
+    static constexpr int KW = HD / 32, VW = HD / 64;
+    uint32_t kw[2][KW], km[2][2], vw[4][VW], vm[4];
+    __device__ __forceinline__ void load(const uint8_t* kb, const uint8_t* vb, int rec, int k0, int end, int qr, int qc) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int key = k0 + 8 * t + qr;
+            const unsigned int* r = reinterpret_cast<const unsigned int*>(kb + (size_t)key * rec + qc * (HD / 8));
+#pragma unroll
+            for (int w = 0; w < KW; ++w) kw[t][w] = key < end ? __ldcg(r + w) : 0u;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int kk = k0 + 8 * t + 2 * qc + i;
+                km[t][i] = kk < end ? __ldcg(reinterpret_cast<const unsigned int*>(kb + (size_t)kk * rec + HD / 2)) : 0u;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int key = k0 + 2 * qc + (u & 1) + 8 * (u >> 1);
+            const unsigned int* r = reinterpret_cast<const unsigned int*>(vb + (size_t)key * rec + qr * (HD / 16));
+#pragma unroll
+            for (int w = 0; w < VW; ++w) vw[u][w] = key < end ? __ldcg(r + w) : 0u;
+            vm[u] = key < end ? __ldcg(reinterpret_cast<const unsigned int*>(vb + (size_t)key * rec + HD / 2)) : 0u;
+        }
+    }
+};
+
+// grid (n_split, nkv, b), block TC_WARPS * 32, dynamic smem (g*HD + TC_WARPS*g*HD) floats.
+template <typename T, int HD, bool APPEND>
+__device__ void attn_decode_kv4_tc(const AttnParams& p) {
+    constexpr int KS = HD / 16, NT = HD / 8, VW = HD / 64;
+    extern __shared__ float sh[];
+    __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
+    __shared__ float wm_sh[TC_WARPS][ATTN_MAX_G], wl_sh[TC_WARPS][ATTN_MAX_G];
+    __shared__ uint8_t codes_sh[2][128];
+    __shared__ bool last_sh;
+    pdl_trigger();
+    const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    const int nh = p.nh, nkv = p.nkv, g = nh / nkv, rec = p.rec;
+    const int len = (int)p.pos[0] + 1, j_new = len - 1;
+    const int c = min(p.chunk, max(TC_WARPS * TC_STEP, (len + p.n_split - 1) / p.n_split));
+    const int start = split * c, n_active = (len + c - 1) / c;
+    const bool in_cluster = p.cluster > 0 && n_active > 1 && n_active <= p.cluster;
+    if (start >= len) {
+        if (!in_cluster || split >= p.cluster) return;
+        if (threadIdx.x < ATTN_MAX_G) { m_sh[threadIdx.x] = -INFINITY; l_sh[threadIdx.x] = 0.f; }
+        cluster_sync();
+        cluster_sync();
+        return;
+    }
+    const int end = min(start + c, len);
+    const bool has_new = j_new < end;
+    const int pad = (int)p.pads[s];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, qr = lane >> 2, qc = lane & 3;
+    float* q_sh = sh;               // [g, HD]; then the block's output
+    float* wo_sh = q_sh + g * HD;   // [TC_WARPS, g, HD]: the warps' outputs
+    const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)p.max_len * rec;
+    const uint8_t* kb = p.k + head_off;
+    const uint8_t* vb = p.v + head_off;
+    constexpr int half = HD / 2;
+    const int rpos = max(j_new - pad, 0);
+    const int jr = (threadIdx.x % HD) % half;
+    const float rc = p.cos[(size_t)rpos * half + jr], rs = p.sin[(size_t)rpos * half + jr];
+    const int k0_first = start + warp * TC_STEP;
+    TcLoads<HD> first;
+    if (!has_new) first.load(kb, vb, rec, k0_first, end, qr, qc);
+    pdl_wait();  // qkv comes from the previous kernel
+    const T* row_gl_rd = static_cast<const T*>(p.qkv) + (size_t)s * (nh + 2 * nkv) * HD;
+    {
+        const T* q_gl_rd = row_gl_rd + (size_t)kvh * g * HD;
+        for (int idx = threadIdx.x; idx < g * HD; idx += blockDim.x) {
+            const int hh = idx / HD, d = idx % HD;
+            const float x0 = to_f32(q_gl_rd[hh * HD + jr]), x1 = to_f32(q_gl_rd[hh * HD + jr + half]);
+            q_sh[idx] = (d < half ? x0 * rc - x1 * rs : x1 * rc + x0 * rs) * p.scale;
+        }
+    }
+    if (APPEND && has_new) {
+        float* xk = wo_sh;
+        float* xv = wo_sh + HD;
+        const int j = threadIdx.x;
+        if (j < half) {
+            const T* k_gl_rd1 = row_gl_rd + (size_t)(nh + kvh) * HD;
+            const T* v_gl_rd1 = row_gl_rd + (size_t)(nh + nkv + kvh) * HD;
+            float y0, y1;
+            rope_pair_rn(to_f32(k_gl_rd1[j]), to_f32(k_gl_rd1[j + half]), rc, rs, y0, y1);
+            xk[j] = to_f32(from_f32<T>(y0));
+            xk[j + half] = to_f32(from_f32<T>(y1));
+            xv[j] = to_f32(v_gl_rd1[j]);
+            xv[j + half] = to_f32(v_gl_rd1[j + half]);
+        }
+        __syncthreads();
+        if (warp == 0) Kv4::quantize_warp(xk, p.k + head_off + (size_t)j_new * rec, HD, 0, codes_sh[0], lane);
+        if (warp == 1) Kv4::quantize_warp(xv, p.v + head_off + (size_t)j_new * rec, HD, 1, codes_sh[1], lane);
+    }
+    __syncthreads();
+    // Q fragments: row qr (a head of the group; rows >= g and 8..15 are zero), columns
+    // 2qc, 2qc+1 (a0) and 2qc+8, 2qc+9 (a2) of each slice of 16; and Σq of the f16 q.
+    uint32_t qa[KS][2];
+    float qsum = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        qa[ks][0] = qa[ks][1] = 0u;
+        if (qr < g) {
+            const float* q = q_sh + qr * HD + 16 * ks + 2 * qc;
+            const __half2 x0 = __floats2half2_rn(q[0], q[1]), x1 = __floats2half2_rn(q[8], q[9]);
+            qa[ks][0] = *reinterpret_cast<const uint32_t*>(&x0);
+            qa[ks][1] = *reinterpret_cast<const uint32_t*>(&x1);
+            const float2 f0 = __half22float2(x0), f1 = __half22float2(x1);
+            qsum += (f0.x + f0.y) + (f1.x + f1.y);
+        }
+    }
+    qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
+    qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m_run = -INFINITY, l_run = 0.f, pm_run = 0.f;
+    // Each step's loads are issued one step ahead (the first before pdl_wait, where the
+    // block does not hold the new row).
+    TcLoads<HD> cur = first;
+    if (has_new) cur.load(kb, vb, rec, k0_first, end, qr, qc);
+    for (int k0 = k0_first; k0 < end; k0 += TC_WARPS * TC_STEP) {
+        TcLoads<HD> nxt;
+        if (k0 + TC_WARPS * TC_STEP < end) nxt.load(kb, vb, rec, k0 + TC_WARPS * TC_STEP, end, qr, qc);
+        const auto& kw = cur.kw;
+        const auto& km = cur.km;
+        const auto& vw = cur.vw;
+        const auto& vm = cur.vm;
+        // Scores of keys k0 + 8t + 2qc + i for head qr.
+        float sc[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const uint32_t w = (ks & 1) ? kw[t][ks / 2] >> 8 : kw[t][ks / 2];
+                mma_f16_16816(sc[t], qa[ks][0], qa[ks][1], nib_lo(w), nib_hi(w));
+            }
+        }
+        float sv[4], mloc = -INFINITY;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int t = u >> 1, i = u & 1, key = k0 + 8 * t + 2 * qc + i;
+            const bool ok = key < end && (key >= pad || key == j_new);
+            sv[u] = ok ? fmaf(h_lo(km[t][i]), sc[t][i], h_hi(km[t][i]) * qsum) : -INFINITY;
+            mloc = fmaxf(mloc, sv[u]);
+        }
+        mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, 1));
+        mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, 2));
+        const float m_new = fmaxf(m_run, mloc);
+        const float alpha = (m_run == -INFINITY) ? 0.f : __expf(m_run - m_new);
+        float pv[4], psum = 0.f, pmin = 0.f;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            pv[u] = sv[u] == -INFINITY ? 0.f : __expf(sv[u] - m_new);
+            psum += pv[u];
+            pmin += pv[u] * h_hi(vm[u]);
+        }
+        l_run = l_run * alpha + psum;
+        pm_run = pm_run * alpha + pmin;
+        m_run = m_new;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) { acc[j][0] *= alpha; acc[j][1] *= alpha; }
+        const uint32_t pa0 = half2_bits(pv[0] * h_lo(vm[0]), pv[1] * h_lo(vm[1]));
+        const uint32_t pa2 = half2_bits(pv[2] * h_lo(vm[2]), pv[3] * h_lo(vm[3]));
+#pragma unroll
+        for (int w = 0; w < VW; ++w) {
+            const uint32_t za[2] = {prmt(vw[0][w], vw[1][w], 0x5410), prmt(vw[0][w], vw[1][w], 0x7632)};
+            const uint32_t zb[2] = {prmt(vw[2][w], vw[3][w], 0x5410), prmt(vw[2][w], vw[3][w], 0x7632)};
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                const uint32_t a = za[jj >> 2] >> (8 * ((jj >> 1) & 1)), b = zb[jj >> 2] >> (8 * ((jj >> 1) & 1));
+                const uint32_t b0 = (jj & 1) ? nib_hi(a) : nib_lo(a), b1 = (jj & 1) ? nib_hi(b) : nib_lo(b);
+                mma_f16_16816(acc[8 * w + jj], pa0, pa2, b0, b1);
+            }
+        }
+        cur = nxt;
+    }
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    pm_run += __shfl_xor_sync(0xffffffffu, pm_run, 1);
+    pm_run += __shfl_xor_sync(0xffffffffu, pm_run, 2);
+    __syncthreads();  // every warp is past its reads of q_sh and of the new rows in wo_sh
+    if (qr < g) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            wo_sh[(warp * g + qr) * HD + 8 * j + 2 * qc] = acc[j][0] + pm_run;
+            wo_sh[(warp * g + qr) * HD + 8 * j + 2 * qc + 1] = acc[j][1] + pm_run;
+        }
+        if (qc == 0) { wm_sh[warp][qr] = m_run; wl_sh[warp][qr] = l_run; }
+    }
+    __syncthreads();
+    float* o_sh = q_sh;
+    for (int idx = threadIdx.x; idx < g * HD; idx += blockDim.x) {
+        const int hh = idx / HD, d = idx % HD;
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < TC_WARPS; ++w) m = fmaxf(m, wm_sh[w][hh]);
+        float o = 0.f, l = 0.f;
+#pragma unroll
+        for (int w = 0; w < TC_WARPS; ++w) {
+            if (wm_sh[w][hh] == -INFINITY) continue;
+            const float e = __expf(wm_sh[w][hh] - m);
+            o += e * wo_sh[(w * g + hh) * HD + d];
+            l += e * wl_sh[w][hh];
+        }
+        o_sh[idx] = o;
+        if (d == 0) { m_sh[hh] = m; l_sh[hh] = l; }
+    }
+    __syncthreads();
+    attn_finish<T>(p, o_sh, m_sh, l_sh, &last_sh, n_active, in_cluster);
+}
+
+#define ATTN_TC_KERNEL(SUF, T, HD)                                                        \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
+        attn_decode_##SUF##_kv4_h##HD(const __grid_constant__ AttnParams p) {             \
+        attn_decode_kv4_tc<T, HD, false>(p);                                              \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
+        attn_decode_##SUF##_kv4_h##HD##_append(const __grid_constant__ AttnParams p) {    \
+        attn_decode_kv4_tc<T, HD, true>(p);                                               \
+    }
+ATTN_TC_KERNEL(f32, float, 64)
+ATTN_TC_KERNEL(f32, float, 128)
+ATTN_TC_KERNEL(f16, __half, 64)
+ATTN_TC_KERNEL(f16, __half, 128)
+ATTN_TC_KERNEL(bf16, __nv_bfloat16, 64)
+ATTN_TC_KERNEL(bf16, __nv_bfloat16, 128)
 
 // attn_decode_<dtype>_<encoding>[_append]
 #define ATTN_KERNEL(NAME, T, E, APPEND)                                                  \
@@ -415,8 +701,6 @@ __device__ void attn_decode(const AttnParams& p) {
 #define ATTN_KERNELS(SUF, T)                                                             \
     ATTN_KERNEL(attn_decode_##SUF##_dense, T, DenseKv<T>, false)                         \
     ATTN_KERNEL(attn_decode_##SUF##_dense_append, T, DenseKv<T>, true)                   \
-    ATTN_KERNEL(attn_decode_##SUF##_kv4, T, Kv4, false)                                  \
-    ATTN_KERNEL(attn_decode_##SUF##_kv4_append, T, Kv4, true)                            \
     ATTN_KERNEL(attn_decode_##SUF##_oaken, T, Oaken, false)                              \
     ATTN_KERNEL(attn_decode_##SUF##_oaken_append, T, Oaken, true)
 

@@ -9,7 +9,7 @@
 // records; record (kv, s, h, j) at byte ((kv * b + s) * nkv + h) * max_len + j) * rec.
 //
 // kv4 (per-token asymmetric INT4, Atom / COMET), rec = hd/2 + 4 bytes:
-//   bytes [0, hd/2)      codes: value d in byte d/2, low nibble for even d
+//   bytes [0, hd/2)      codes, in the tensor-core order of kv4_element (below)
 //   bytes [hd/2, +4)     f16 scale, f16 min       value = min + code * scale
 //   code = clamp(rint((x - min) / scale), 0, 15), scale = f16((max - min) / 15), min = f16(min)
 //
@@ -79,6 +79,7 @@ __device__ __forceinline__ void store_nibbles(uint8_t* codes, int lane, int E, c
 // A dense row: hd values of T.
 template <typename T> struct DenseKv {
     static constexpr int EPL = 16 / sizeof(T);  // values per lane chunk
+    static constexpr int UNROLL = 4;             // chunks per lane in flight (attention)
     static constexpr bool QUANT = false;
     using Chunk = uint4;
     const uint8_t* base;  // this (sequence, KV head)'s row 0
@@ -93,30 +94,33 @@ template <typename T> struct DenseKv {
     __device__ __forceinline__ void unpack(const Chunk& c, int, float* out) const { unpack16<T>(c, out); }
 };
 
+// kv4 rows are read by the tensor-core attention (decode_attention.cu, hd 64 or 128), so
+// their nibbles are stored in the order its mma fragments take them; slot s of a record
+// (byte s / 2, low nibble for even s) holds element kv4_element(kv, hd, s):
+//   K: four parts of hd/4 slots (part c = s / (hd/4): the lane with lane % 4 == c), each
+//      hd/32 words of 8 nibbles; nibble n of word i is element
+//      16 (2i + (n>>1 & 1)) + 2c + 8 (n & 1) + (n>>2 & 1)
+//      so `lop3(w, 0x000f000f, 0x64006400)` and the 0x00f000f0 mask give the f16 pairs of
+//      the B fragment of slice 2i (elements 2c, 2c+1 and 2c+8, 2c+9), and `w >> 8` those
+//      of slice 2i + 1.
+//   V: eight groups of hd/8 slots (group r = s / (hd/8): the lane with lane / 4 == r);
+//      slot j of a group is column 8j + r, so one byte-interleave (prmt) of two keys'
+//      words gives the B fragment pairs (V[k][d], V[k+1][d]) of the P·V mma.
+__device__ __forceinline__ int kv4_element(int kv, int hd, int s) {
+    if (kv == 0) {
+        const int part = hd / 4, c = s / part, i = (s % part) / 8, n = s % 8;
+        return 16 * (2 * i + ((n >> 1) & 1)) + 2 * c + 8 * (n & 1) + ((n >> 2) & 1);
+    }
+    const int group = hd / 8;
+    return 8 * (s % group) + s / group;
+}
+
 struct Kv4 {
-    static constexpr int EPL = 8;
     static constexpr bool QUANT = true;
-    struct Chunk { uint32_t codes, meta; };
-    const uint8_t* base;
-    int rec, hd;
-    KvThr thr;
     __host__ __device__ static int rec_bytes(int hd) { return hd / 2 + 4; }
-    __device__ __forceinline__ Chunk load(int j, int sub) const {
-        const uint8_t* r = base + (size_t)j * rec;
-        return {*reinterpret_cast<const uint32_t*>(r + sub * 4), *reinterpret_cast<const uint32_t*>(r + hd / 2)};
-    }
-    __device__ __forceinline__ Chunk load_cg(int j, int sub) const {
-        const uint8_t* r = base + (size_t)j * rec;
-        return {__ldcg(reinterpret_cast<const unsigned int*>(r + sub * 4)),
-                __ldcg(reinterpret_cast<const unsigned int*>(r + hd / 2))};
-    }
-    __device__ __forceinline__ void unpack(const Chunk& c, int, float* out) const {
-        const float scale = h_lo(c.meta), mn = h_hi(c.meta);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) out[e] = fmaf((float)((c.codes >> (4 * e)) & 15u), scale, mn);
-    }
-    // One warp writes row x (hd floats, shared memory) to record `rec_out`.
-    __device__ static void quantize_warp(const float* x, uint8_t* rec_out, int hd, const KvThr&, int lane) {
+    // One warp writes row x (hd floats, shared memory) of K (kv 0) or V (kv 1) to record
+    // `rec_out`; `codes` is hd bytes of shared memory for the codes in element order.
+    __device__ static void quantize_warp(const float* x, uint8_t* rec_out, int hd, int kv, uint8_t* codes, int lane) {
         const int E = hd / 32;
         float v[4], mn = INFINITY, mx = -INFINITY;
 #pragma unroll
@@ -128,17 +132,33 @@ struct Kv4 {
         const uint32_t sb = h_bits(__fdiv_rn(__fsub_rn(mx, mn), 15.f)), mb = h_bits(mn);
         const float scale = h_lo(sb), m0 = h_lo(mb);
         const float inv = scale > 0.f ? __frcp_rn(scale) : 0.f;
-        int c[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            c[i] = i < E ? (int)fminf(fmaxf(rintf(__fmul_rn(__fsub_rn(v[i], m0), inv)), 0.f), 15.f) : 0;
-        store_nibbles(rec_out, lane, E, c);
+            if (i < E) codes[lane * E + i] = (uint8_t)fminf(fmaxf(rintf(__fmul_rn(__fsub_rn(v[i], m0), inv)), 0.f), 15.f);
+        __syncwarp();
+        for (int b = lane; b < hd / 2; b += 32)
+            rec_out[b] = (uint8_t)(codes[kv4_element(kv, hd, 2 * b)] | codes[kv4_element(kv, hd, 2 * b + 1)] << 4);
         if (lane == 0) *reinterpret_cast<uint32_t*>(rec_out + hd / 2) = sb | mb << 16;
+        __syncwarp();
+    }
+    __device__ static void encode(const float* x, uint8_t* rec_out, int hd, int kv, const KvThr&, uint8_t* scratch, int lane) {
+        quantize_warp(x, rec_out, hd, kv, scratch, lane);
+    }
+    // Record `rec` of K (kv 0) or V (kv 1) into out[0, hd): thread `t` of `nt` over bytes.
+    __device__ static void decode(const uint8_t* rec, int hd, int kv, float* out, int t, int nt) {
+        const uint32_t m = *reinterpret_cast<const uint32_t*>(rec + hd / 2);
+        const float scale = h_lo(m), mn = h_hi(m);
+        for (int b = t; b < hd / 2; b += nt) {
+            const uint32_t byte = rec[b];
+            out[kv4_element(kv, hd, 2 * b)] = fmaf((float)(byte & 15u), scale, mn);
+            out[kv4_element(kv, hd, 2 * b + 1)] = fmaf((float)(byte >> 4), scale, mn);
+        }
     }
 };
 
 struct Oaken {
     static constexpr int EPL = 8;
+    static constexpr int UNROLL = 4;
     static constexpr bool QUANT = true;
     struct Chunk { uint32_t codes; uint2 sparse, meta; };
     const uint8_t* base;
@@ -190,6 +210,9 @@ struct Oaken {
             const float outv = x ? __fsub_rn(thr.outer_lo, m) : __fadd_rn(thr.outer_hi, m);
             out[e] = ((sp >> e) & 1u) ? (((inner >> e) & 1u) ? inn : outv) : mid;
         }
+    }
+    __device__ static void encode(const float* x, uint8_t* rec_out, int hd, int, const KvThr& t, uint8_t*, int lane) {
+        quantize_warp(x, rec_out, hd, t, lane);
     }
     __device__ static void quantize_warp(const float* x, uint8_t* rec_out, int hd, const KvThr& t, int lane) {
         const int E = hd / 32, sl = seg_len(hd), lps = sl / E, seg = lane / lps, ls = lane % lps;

@@ -7,6 +7,7 @@
 //   cache  u8 [2, b, nkv, max_len, rec]  K records then V records
 //   out    [2, b, nkv, len, hd] T         (dequantize) rows 0..len of every head
 #include "kv_codec.cuh"
+#include <type_traits>
 
 using namespace lowbit;
 
@@ -18,7 +19,7 @@ struct AppendParams {
     const uint32_t* pads;
     uint8_t* k;
     uint8_t* v;
-    int b, seq, nh, nkv, hd, max_len, rec, pad;
+    int b, seq, nh, nkv, hd, max_len, rec, rotate_k;  // rotate_k 0: K encoded before RoPE
     KvThr thr_k, thr_v;
 };
 
@@ -26,6 +27,7 @@ struct AppendParams {
 template <typename T, typename E>
 __device__ void kv_append(const AppendParams& p) {
     __shared__ float x_sh[2][128];
+    __shared__ uint8_t codes_sh[2][128];
     pdl_trigger();
     pdl_wait();
     const int i = blockIdx.x, s = blockIdx.y, kvh = blockIdx.z;
@@ -36,8 +38,8 @@ __device__ void kv_append(const AppendParams& p) {
         const T* k = x + (size_t)(p.nh + kvh) * hd;
         for (int j = lane; j < half; j += 32) {
             const float c = p.cos[(size_t)rpos * half + j], sn = p.sin[(size_t)rpos * half + j];
-            float y0, y1;
-            rope_pair_rn(to_f32(k[j]), to_f32(k[j + half]), c, sn, y0, y1);
+            float y0 = to_f32(k[j]), y1 = to_f32(k[j + half]);
+            if (p.rotate_k) rope_pair_rn(to_f32(k[j]), to_f32(k[j + half]), c, sn, y0, y1);
             x_sh[0][j] = to_f32(from_f32<T>(y0));
             x_sh[0][j + half] = to_f32(from_f32<T>(y1));
         }
@@ -47,8 +49,8 @@ __device__ void kv_append(const AppendParams& p) {
     }
     __syncwarp();
     const size_t off = (((size_t)s * p.nkv + kvh) * p.max_len + row) * p.rec;
-    if (warp == 0) E::quantize_warp(x_sh[0], p.k + off, hd, p.thr_k, lane);
-    else E::quantize_warp(x_sh[1], p.v + off, hd, p.thr_v, lane);
+    if (warp == 0) E::encode(x_sh[0], p.k + off, hd, 0, p.thr_k, codes_sh[0], lane);
+    else E::encode(x_sh[1], p.v + off, hd, 1, p.thr_v, codes_sh[1], lane);
 }
 
 struct DequantParams {
@@ -58,25 +60,41 @@ struct DequantParams {
     KvThr thr_k, thr_v;
 };
 
-// One thread per chunk of E::EPL values: threads over [2, b, nkv, len, hd / EPL].
+// kv4: a block of 64 threads per row (over its bytes); oaken: one thread per chunk of
+// E::EPL values. Rows: [2, b, nkv, len].
 template <typename T, typename E>
 __device__ void kv_dequantize(const DequantParams& p) {
     pdl_trigger();
     pdl_wait();
-    const int lpk = p.hd / E::EPL;
-    const size_t total = (size_t)2 * p.b * p.nkv * p.len * lpk;
-    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
-        const int sub = (int)(t % lpk);
-        const size_t r = t / lpk;  // (kv, s, h, j) over len rows
-        const int j = (int)(r % p.len);
-        const size_t head = r / p.len;  // (kv * b + s) * nkv + h
-        const bool is_v = head >= (size_t)p.b * p.nkv;
-        const E enc{p.cache + head * p.max_len * p.rec, p.rec, p.hd, is_v ? p.thr_v : p.thr_k};
-        float f[E::EPL];
-        enc.unpack(enc.load(j, sub), sub, f);
-        T* o = static_cast<T*>(p.out) + r * p.hd + sub * E::EPL;
+    if constexpr (std::is_same<E, Kv4>::value) {
+        __shared__ float row_sh[128];
+        const size_t rows = (size_t)2 * p.b * p.nkv * p.len;
+        for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+            const int j = (int)(r % p.len);
+            const size_t head = r / p.len;
+            const int kv = head >= (size_t)p.b * p.nkv ? 1 : 0;
+            Kv4::decode(p.cache + (head * p.max_len + j) * p.rec, p.hd, kv, row_sh, threadIdx.x, blockDim.x);
+            __syncthreads();
+            T* o = static_cast<T*>(p.out) + r * p.hd;
+            for (int d = threadIdx.x; d < p.hd; d += blockDim.x) o[d] = from_f32<T>(row_sh[d]);
+            __syncthreads();
+        }
+    } else {
+        const int lpk = p.hd / E::EPL;
+        const size_t total = (size_t)2 * p.b * p.nkv * p.len * lpk;
+        for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
+            const int sub = (int)(t % lpk);
+            const size_t r = t / lpk;  // (kv, s, h, j) over len rows
+            const int j = (int)(r % p.len);
+            const size_t head = r / p.len;  // (kv * b + s) * nkv + h
+            const bool is_v = head >= (size_t)p.b * p.nkv;
+            const E enc{p.cache + head * p.max_len * p.rec, p.rec, p.hd, is_v ? p.thr_v : p.thr_k};
+            float f[E::EPL];
+            enc.unpack(enc.load(j, sub), sub, f);
+            T* o = static_cast<T*>(p.out) + r * p.hd + sub * E::EPL;
 #pragma unroll
-        for (int e = 0; e < E::EPL; ++e) o[e] = from_f32<T>(f[e]);
+            for (int e = 0; e < E::EPL; ++e) o[e] = from_f32<T>(f[e]);
+        }
     }
 }
 

@@ -58,6 +58,15 @@ struct Args {
     /// KV-cache capacity in tokens [default: min(max_position_embeddings, 4096)].
     #[arg(long)]
     max_context: Option<usize>,
+
+    /// Keep generating past end-of-sequence tokens (for long runs).
+    #[arg(long)]
+    ignore_eos: bool,
+
+    /// Check that every step's logits are finite (stop with an error at the first that
+    /// is not).
+    #[arg(long)]
+    check_finite: bool,
 }
 
 /// One generation: the sampled tokens (a final eos included) and the timings.
@@ -91,6 +100,7 @@ impl Run {
 
 /// Prefill `prompt` in one call to `step(ids, pos)` (logits `[1, vocab]`), then decode
 /// token by token until `sample_len` tokens or an eos. `on_token` sees every non-eos token.
+#[allow(clippy::too_many_arguments)]
 fn generate(
     mut step: impl FnMut(&[u32], usize) -> candle_core::Result<Tensor>,
     prompt: &[u32],
@@ -99,12 +109,23 @@ fn generate(
     sampler: &mut LogitsProcessor,
     device: &Device,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
+    check_finite: bool,
 ) -> Result<Run> {
     let start = Instant::now();
     let mut logits = step(prompt, 0)?;
     let mut tokens = Vec::with_capacity(sample_len);
     let (mut prompt_secs, mut decode_start) = (0.0, start);
     while tokens.len() < sample_len {
+        if check_finite {
+            let v = logits.flatten_all()?.to_vec1::<f32>()?;
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                bail!(
+                    "step {}: logit {i} is {} (not finite)",
+                    tokens.len(),
+                    v[i]
+                )
+            }
+        }
         let next = sampler.sample(&logits.squeeze(0)?)?;
         if tokens.is_empty() {
             device.synchronize()?;
@@ -234,17 +255,43 @@ fn run_ours(s: &common::Session, prompt: &[u32], args: &Args, max_ctx: usize) ->
         Ok(())
     };
     let mut sampler = sampler(args, args.compare);
+    let eos: &[u32] = if args.ignore_eos { &[] } else { &l.eos };
     let run = generate(
         step,
         prompt,
         args.sample_len,
-        &l.eos,
+        eos,
         &mut sampler,
         &s.device,
         &mut emit,
+        args.check_finite,
     )?;
     println!();
     Ok(run)
+}
+
+/// What fits the device's free memory in the chosen weight and KV formats: tokens of
+/// context × batch (the weights are already loaded; activations and scratch not counted).
+fn print_capacity(s: &common::Session) -> Result<()> {
+    let Some((free, total)) = candle_lowbit::kernels::device_memory(&s.device)? else {
+        return Ok(());
+    };
+    let c = &s.loaded.config;
+    let hd = c.hidden_size / c.num_attention_heads.max(1);
+    let per_token = 2 * c.num_hidden_layers * c.num_key_value_heads
+        * s.kv_cache.row_bytes(hd, s.dtype);
+    let tokens = free / per_token.max(1);
+    let ctx = c.max_position_embeddings;
+    println!(
+        "kv cache {}: {per_token} bytes per token over {} layers; {:.1} of {:.1} GiB free hold {tokens} tokens: context {ctx} x batch {}, context 4096 x batch {}",
+        s.kv_cache,
+        c.num_hidden_layers,
+        free as f64 / (1u64 << 30) as f64,
+        total as f64 / (1u64 << 30) as f64,
+        tokens / ctx.max(1),
+        tokens / 4096
+    );
+    Ok(())
 }
 
 /// Stock candle on the same files and prompt tokens, greedy, silent.
@@ -267,6 +314,7 @@ fn run_stock(s: &common::Session, prompt: &[u32], args: &Args) -> Result<Run> {
         &mut sampler,
         &s.device,
         &mut |_| Ok(()),
+        false,
     )
 }
 
@@ -366,6 +414,7 @@ fn main() -> Result<()> {
             prompt.len() + args.sample_len
         )
     }
+    print_capacity(&s)?;
     let ours = run_ours(&s, &prompt, &args, max_ctx)?;
     print_speeds(&ours);
     if args.compare {

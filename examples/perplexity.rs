@@ -343,6 +343,12 @@ fn print_json(
         "calibration_in_sample": in_sample(s, &args.text),
         "load_seconds": s.load_secs,
         "kv_cache": s.kv_cache.name(),
+        "kv_bits_per_value": s.kv_cache.bits_per_value(
+            s.loaded.config.hidden_size / s.loaded.config.num_attention_heads.max(1),
+            s.dtype
+        ),
+        "kv_k_pre_rope": s.kv_k_pre_rope,
+        "kv_oaken_fractions": s.kv_oaken.as_ref().map(|(_, c)| serde_json::json!(c.fractions)),
         "dtype": s.dtype.as_str(),
         "device": common::device_name(&s.device),
         "ctx": args.ctx,

@@ -91,6 +91,19 @@ impl Cache {
         cfg: &Config,
         device: &Device,
     ) -> Result<Self> {
+        Self::with_spec_k_pre_rope(max_len, spec, false, dtype, cfg, device)
+    }
+
+    /// As [`Cache::with_spec`], with quantized K encoded before RoPE where `k_pre_rope`
+    /// (to measure that choice; such a cache takes the generic attention path).
+    pub fn with_spec_k_pre_rope(
+        max_len: usize,
+        spec: &KvSpec,
+        k_pre_rope: bool,
+        dtype: DType,
+        cfg: &Config,
+        device: &Device,
+    ) -> Result<Self> {
         if cfg.num_attention_heads == 0 || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads)
         {
             candle_core::bail!(
@@ -121,7 +134,10 @@ impl Cache {
             }
         }
         let kvs = (0..cfg.num_hidden_layers)
-            .map(|l| Ok(KvCache::new(spec.encoding(l)?, heads, max_len, dtype, device)))
+            .map(|l| {
+                let enc = spec.encoding_with(l, k_pre_rope)?;
+                Ok(KvCache::new(enc, heads, max_len, dtype, device))
+            })
             .collect::<Result<Vec<_>>>()?;
         let (cos32, sin32) = (idx_theta.cos()?, idx_theta.sin()?);
         Ok(Self {

@@ -291,14 +291,14 @@ pub fn collect(
 }
 
 /// Oaken's per-layer thresholds for `model`: one pass over `windows` gathering the K
-/// (post-RoPE, as the cache stores it) and V quantiles at `fractions`, averaged over the
-/// passes as the authors' code does.
+/// (after RoPE, as the cache stores it, or before where `k_pre_rope`) and V quantiles at
+/// `fractions`, averaged over the passes as the authors' code does.
 pub fn oaken_thresholds(
     model: &Llama,
     cfg: &Config,
     windows: &[Vec<u32>],
     (batch, dtype): (usize, DType),
-    fractions: crate::kv::OakenFractions,
+    (fractions, k_pre_rope): (crate::kv::OakenFractions, bool),
     progress: &mut dyn Progress,
 ) -> Result<crate::kv::oaken::OakenCalibration> {
     let q = fractions.quantiles()?.to_vec();
@@ -315,13 +315,14 @@ pub fn oaken_thresholds(
         .iter()
         .enumerate()
         .map(|(i, q)| {
-            crate::kv::OakenLayer::from_quantiles(&q.k_post_rope, &q.v)
+            let k = if k_pre_rope { &q.k_pre_rope } else { &q.k_post_rope };
+            crate::kv::OakenLayer::from_quantiles(k, &q.v)
                 .map_err(|e| candle_core::Error::Msg(format!("layer {i}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(crate::kv::oaken::OakenCalibration {
         fractions,
-        k_rope: "post-rope".into(),
+        k_rope: if k_pre_rope { "pre-rope" } else { "post-rope" }.into(),
         layers,
     })
 }

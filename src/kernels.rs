@@ -8,6 +8,21 @@ pub mod ptx {
 #[cfg(feature = "cuda")]
 pub use cuda::*;
 
+/// `(free, total)` bytes of the device's memory; `None` on the CPU (or without the cuda
+/// feature).
+pub fn device_memory(dev: &candle_core::Device) -> candle_core::Result<Option<(usize, usize)>> {
+    match dev {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(c) => c
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .map(Some)
+            .map_err(candle_core::Error::wrap),
+        _ => Ok(None),
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{

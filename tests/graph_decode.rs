@@ -22,7 +22,7 @@ fn replay_matches_eager(
     replay_with_kv(dev, dtype, steps, format, KvFormat::Dense)
 }
 
-/// As [`replay_matches_eager`] with the KV cache in `kv` (quantized caches: heads of 32,
+/// As [`replay_matches_eager`] with the KV cache in `kv` (quantized caches: one head of 64,
 /// Oaken with the thresholds of N(0, 1)).
 fn replay_with_kv(
     dev: &Device,
@@ -34,7 +34,7 @@ fn replay_with_kv(
     let cfg = match kv {
         KvFormat::Dense => common::tiny_config(4),
         _ => candle_lowbit::Config {
-            num_attention_heads: 2,
+            num_attention_heads: 1,
             num_key_value_heads: 1,
             ..common::tiny_config(4)
         },

@@ -67,6 +67,11 @@ pub struct ModelArgs {
     #[arg(long, default_value = "f16")]
     pub kv_cache: KvFormat,
 
+    /// Quantized KV caches: encode K before RoPE, rotating it when read (to measure that
+    /// choice; such caches run the generic attention, not the fused decode kernel).
+    #[arg(long)]
+    pub kv_k_pre_rope: bool,
+
     #[command(flatten)]
     pub calib: CalibArgs,
 }
@@ -218,6 +223,8 @@ pub struct Session {
     pub kv: KvSpec,
     /// Where Oaken's thresholds came from, and the calibration itself.
     pub kv_oaken: Option<(String, OakenCalibration)>,
+    /// Quantized K encoded before RoPE (`--kv-k-pre-rope`).
+    pub kv_k_pre_rope: bool,
     /// Seconds the load took (quantization included).
     pub load_secs: f64,
 }
@@ -225,9 +232,10 @@ pub struct Session {
 impl Session {
     /// A cache of `max_len` tokens per sequence in the session's KV format.
     pub fn cache(&self, max_len: usize) -> Result<Cache> {
-        Ok(Cache::with_spec(
+        Ok(Cache::with_spec_k_pre_rope(
             max_len,
             &self.kv,
+            self.kv_k_pre_rope,
             self.dtype,
             &self.loaded.config,
             &self.device,
@@ -250,8 +258,9 @@ fn kv_spec(
         outer: args.calib.oaken_outer,
         inner: args.calib.oaken_inner,
     };
+    let k_rope = if args.kv_k_pre_rope { "pre-rope" } else { "post-rope" };
     if let Some(c) = loaded.manifest.as_ref().and_then(|m| m.kv_oaken.clone()) {
-        if c.fractions == fractions {
+        if c.fractions == fractions && c.k_rope == k_rope {
             return Ok((KvSpec::Oaken(c.layers.clone()), Some(("checkpoint".into(), c))));
         }
     }
@@ -267,7 +276,7 @@ fn kv_spec(
         &loaded.config,
         &windows,
         (args.calib.calib_batch, dtype),
-        fractions,
+        (fractions, args.kv_k_pre_rope),
         bars,
     )?;
     let how = format!(
@@ -395,6 +404,7 @@ pub fn load(args: &ModelArgs) -> Result<Session> {
         kv_cache: args.kv_cache,
         kv,
         kv_oaken,
+        kv_k_pre_rope: args.kv_k_pre_rope,
         load_secs,
     })
 }
@@ -445,6 +455,9 @@ pub fn describe(s: &Session) -> Result<String> {
             ", thresholds {how}, outer {} / inner {}",
             c.fractions.outer, c.fractions.inner
         );
+    }
+    if s.kv_k_pre_rope && s.kv_cache != KvFormat::Dense {
+        line += ", K before RoPE";
     }
     line += ")";
     if let Some(q) = &s.loaded.quantized {

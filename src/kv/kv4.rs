@@ -2,9 +2,11 @@
 //! COMET's KV cache, the baseline Oaken is measured against.
 //!
 //! One record per (token, KV head) of K or V, `hd / 2 + 4` bytes (byte layout drawn in
-//! `cuda/kv_codec.cuh`): the codes, value `d` in byte `d / 2` (low nibble for even `d`),
-//! then f16 `scale` and f16 `min`; `x̂ = min + code · scale`. Bits per value:
-//! `4 + 32 / hd` (4.25 at hd 128, 0.27× f16; 4.5 at hd 64).
+//! `cuda/kv_codec.cuh`): the codes (slot `s` in byte `s / 2`, low nibble for even `s`,
+//! holding element [`slot_element`]`(kv, hd, s)`: the order the tensor-core decode
+//! attention's mma fragments take, different for K and V), then f16 `scale` and f16 `min`;
+//! `x̂ = min + code · scale`. Bits per value: `4 + 32 / hd` (4.25 at hd 128, 0.27× f16;
+//! 4.5 at hd 64). Head dims 64 and 128.
 //!
 //! The functions here are the CPU references of the CUDA encoder and decoder and must stay
 //! bit-identical with them: the same f32 operations in the same order.
@@ -39,8 +41,22 @@ pub(crate) fn rint_clamp(x: f32, lo: f32, hi: f32) -> u32 {
     x.round_ties_even().clamp(lo, hi) as u32
 }
 
-/// Encode one row `x` (`hd` values) into `rec` (`rec_bytes(hd)` bytes).
-pub fn quantize_row(x: &[f32], rec: &mut [u8]) {
+/// The element of a K (`kv` 0) or V (`kv` 1) row that slot `s` of its record holds
+/// (`kv4_element` in `cuda/kv_codec.cuh`).
+pub fn slot_element(kv: usize, hd: usize, s: usize) -> usize {
+    if kv == 0 {
+        let part = hd / 4;
+        let (c, i, n) = (s / part, (s % part) / 8, s % 8);
+        16 * (2 * i + ((n >> 1) & 1)) + 2 * c + 8 * (n & 1) + ((n >> 2) & 1)
+    } else {
+        let group = hd / 8;
+        8 * (s % group) + s / group
+    }
+}
+
+/// Encode one row `x` (`hd` values) of K (`kv` 0) or V (`kv` 1) into `rec`
+/// (`rec_bytes(hd)` bytes).
+pub fn quantize_row(kv: usize, x: &[f32], rec: &mut [u8]) {
     let hd = x.len();
     let mn = x.iter().copied().fold(f32::INFINITY, f32::min);
     let mx = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -48,18 +64,19 @@ pub fn quantize_row(x: &[f32], rec: &mut [u8]) {
     let mh = f16::from_f32(mn);
     let (scale, m0) = (sh.to_f32(), mh.to_f32());
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    for (d, &v) in x.iter().enumerate() {
-        set_nibble(rec, d, rint_clamp((v - m0) * inv, 0.0, 15.0));
+    for s in 0..hd {
+        let v = x[slot_element(kv, hd, s)];
+        set_nibble(rec, s, rint_clamp((v - m0) * inv, 0.0, 15.0));
     }
     put_f16(rec, hd / 2, sh);
     put_f16(rec, hd / 2 + 2, mh);
 }
 
-/// Decode record `rec` into `out` (`hd` values).
-pub fn dequantize_row(rec: &[u8], out: &mut [f32]) {
+/// Decode record `rec` of K (`kv` 0) or V (`kv` 1) into `out` (`hd` values).
+pub fn dequantize_row(kv: usize, rec: &[u8], out: &mut [f32]) {
     let hd = out.len();
     let (scale, mn) = (f16_at(rec, hd / 2), f16_at(rec, hd / 2 + 2));
-    for (d, o) in out.iter_mut().enumerate() {
-        *o = nibble(rec, d) as f32 * scale + mn;
+    for s in 0..hd {
+        out[slot_element(kv, hd, s)] = nibble(rec, s) as f32 * scale + mn;
     }
 }

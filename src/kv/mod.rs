@@ -137,11 +137,17 @@ impl KvSpec {
 
     /// The encoding of layer `layer`.
     pub fn encoding(&self, layer: usize) -> Result<Arc<dyn KvEncoding>> {
+        self.encoding_with(layer, false)
+    }
+
+    /// The encoding of layer `layer`, with quantized K encoded before RoPE where
+    /// `k_pre_rope` (for measuring that choice: only the generic attention reads it).
+    pub fn encoding_with(&self, layer: usize, k_pre_rope: bool) -> Result<Arc<dyn KvEncoding>> {
         Ok(match self {
             Self::Dense => Arc::new(DenseKv),
-            Self::Kv4 => Arc::new(PackedKv(KvCodec::Kv4)),
+            Self::Kv4 => Arc::new(PackedKv(KvCodec::Kv4, k_pre_rope)),
             Self::Oaken(t) => match t.get(layer) {
-                Some(l) => Arc::new(PackedKv(KvCodec::Oaken(*l))),
+                Some(l) => Arc::new(PackedKv(KvCodec::Oaken(*l), k_pre_rope)),
                 None => candle_core::bail!(
                     "oaken: thresholds for {} layers, none for layer {layer}",
                     t.len()
@@ -174,9 +180,13 @@ impl KvCodec {
         }
     }
 
-    /// Head dims the encoders take (one warp per row, 1, 2 or 4 values per lane).
-    pub fn supports(hd: usize) -> bool {
-        matches!(hd, 32 | 64 | 128)
+    /// Head dims the encoding takes: kv4 64 and 128 (its tensor-core attention), oaken
+    /// 32, 64 and 128 (one warp encodes a row, 1, 2 or 4 values per lane).
+    pub fn supports(&self, hd: usize) -> bool {
+        match self {
+            Self::Kv4 => matches!(hd, 64 | 128),
+            Self::Oaken(_) => matches!(hd, 32 | 64 | 128),
+        }
     }
 
     pub fn rec_bytes(&self, hd: usize) -> usize {
@@ -194,7 +204,7 @@ impl KvCodec {
     /// Encode one row of K (`kv` 0) or V (`kv` 1): the CPU reference of the kernels' encoder.
     pub fn quantize_row(&self, kv: usize, x: &[f32], rec: &mut [u8]) {
         match self {
-            Self::Kv4 => kv4::quantize_row(x, rec),
+            Self::Kv4 => kv4::quantize_row(kv, x, rec),
             Self::Oaken(_) => oaken::quantize_row(x, rec, &self.thr(kv)),
         }
     }
@@ -202,7 +212,7 @@ impl KvCodec {
     /// Decode one record: the CPU reference of the kernels' decoder.
     pub fn dequantize_row(&self, kv: usize, rec: &[u8], out: &mut [f32]) {
         match self {
-            Self::Kv4 => kv4::dequantize_row(rec, out),
+            Self::Kv4 => kv4::dequantize_row(kv, rec, out),
             Self::Oaken(_) => oaken::dequantize_row(rec, out, &self.thr(kv)),
         }
     }
@@ -226,13 +236,16 @@ pub trait KvEncoding: std::fmt::Debug + Send + Sync {
     /// Write K (rotated for its positions) and V of `qkv` at rows `p.pos..p.pos + seq`.
     fn append(&self, store: &Tensor, qkv: &Tensor, heads: Heads, p: &StepPositions) -> Result<()>;
 
-    /// K and V rows `0..len` as `[b, nkv, len, hd]` tensors in `dtype`.
+    /// K and V rows `0..len` as `[b, nkv, len, hd]` tensors in `dtype`, K rotated (`p`:
+    /// the RoPE tables and padding of the last append, for encodings that store K before
+    /// RoPE).
     fn keys_values(
         &self,
         store: &Tensor,
         len: usize,
         heads: Heads,
         dtype: DType,
+        p: Option<&StepPositions>,
     ) -> Result<(Tensor, Tensor)>;
 
     /// Why the fused decode kernels do not take `heads` for this encoding (`None`: they do).
@@ -277,7 +290,14 @@ impl KvEncoding for DenseKv {
         rope_kv_append(store, qkv, heads, p)
     }
 
-    fn keys_values(&self, store: &Tensor, len: usize, _: Heads, dt: DType) -> Result<(Tensor, Tensor)> {
+    fn keys_values(
+        &self,
+        store: &Tensor,
+        len: usize,
+        _: Heads,
+        dt: DType,
+        _: Option<&StepPositions>,
+    ) -> Result<(Tensor, Tensor)> {
         let k = store.get(0)?.narrow(2, 0, len)?.to_dtype(dt)?;
         let v = store.get(1)?.narrow(2, 0, len)?.to_dtype(dt)?;
         Ok((k, v))
@@ -316,9 +336,22 @@ impl KvEncoding for DenseKv {
     }
 }
 
-/// Rows packed by one [`KvCodec`] into `u8 [2, b, nkv, max_len, rec]`.
+/// Rows packed by one [`KvCodec`] into `u8 [2, b, nkv, max_len, rec]`; K after RoPE, or
+/// (`k_pre_rope`, for measuring the choice) as projected, rotated when it is read back —
+/// which only the generic attention does.
 #[derive(Debug, Clone, Copy)]
-pub struct PackedKv(pub KvCodec);
+pub struct PackedKv(pub KvCodec, pub bool);
+
+impl PackedKv {
+    /// K encoded after RoPE: the crate's choice, read by the fused decode attention.
+    pub fn new(codec: KvCodec) -> Self {
+        Self(codec, false)
+    }
+
+    fn k_pre_rope(&self) -> bool {
+        self.1
+    }
+}
 
 impl KvEncoding for PackedKv {
     fn format(&self) -> KvFormat {
@@ -326,9 +359,9 @@ impl KvEncoding for PackedKv {
     }
 
     fn alloc(&self, b: usize, h: Heads, max_len: usize, _: DType, dev: &Device) -> Result<Tensor> {
-        if !KvCodec::supports(h.hd) {
+        if !self.0.supports(h.hd) {
             candle_core::bail!(
-                "{} KV cache: head dim {} unsupported (32, 64 or 128)",
+                "{} KV cache: head dim {} unsupported (kv4: 64 or 128; oaken: 32, 64 or 128)",
                 self.0.name(),
                 h.hd
             )
@@ -337,7 +370,7 @@ impl KvEncoding for PackedKv {
     }
 
     fn append(&self, store: &Tensor, qkv: &Tensor, heads: Heads, p: &StepPositions) -> Result<()> {
-        kv_append(store, qkv, heads, p, self.0)
+        kv_append(store, qkv, heads, p, self.0, !self.k_pre_rope())
     }
 
     fn keys_values(
@@ -346,16 +379,38 @@ impl KvEncoding for PackedKv {
         len: usize,
         heads: Heads,
         dt: DType,
+        p: Option<&StepPositions>,
     ) -> Result<(Tensor, Tensor)> {
         let kv = kv_dequantize(store, len, heads.hd, self.0, dt)?;
-        Ok((kv.get(0)?, kv.get(1)?))
+        let (k, v) = (kv.get(0)?, kv.get(1)?);
+        if !self.k_pre_rope() {
+            return Ok((k, v));
+        }
+        let Some(p) = p else {
+            candle_core::bail!("kv cache: K stored before RoPE, but no positions to rotate it")
+        };
+        // Row j of sequence s sits at RoPE position j - pads[s].
+        let pads = p.pads.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
+        let ids: Vec<u32> = pads
+            .iter()
+            .flat_map(|&pad| (0..len as u32).map(move |j| j.saturating_sub(pad)))
+            .collect();
+        let ids = Tensor::new(ids, store.device())?;
+        let half = heads.hd / 2;
+        let b = pads.len();
+        let cos = p.cos.index_select(&ids, 0)?.reshape((b, len, half))?.to_dtype(dt)?;
+        let sin = p.sin.index_select(&ids, 0)?.reshape((b, len, half))?.to_dtype(dt)?;
+        Ok((candle_nn::rotary_emb::rope(&k.contiguous()?, &cos, &sin)?, v))
     }
 
     fn no_fused(&self, heads: Heads) -> Option<String> {
         if !heads.fused_ok() {
             return Some(format!("no fused decode attention for {heads:?}"));
         }
-        (!KvCodec::supports(heads.hd))
+        if self.k_pre_rope() {
+            return Some("K is stored before RoPE (the fused attention reads rotated keys)".into());
+        }
+        (!self.0.supports(heads.hd))
             .then(|| format!("{}: head dim {} unsupported", self.0.name(), heads.hd))
     }
 
@@ -399,6 +454,8 @@ pub struct KvCache {
     store: Option<Tensor>,
     /// u32 `[batch * n_kv]`, zero between calls: the fused decode attention's merge counters.
     counters: Option<Tensor>,
+    /// The RoPE tables and padding of the last append (for K stored before RoPE).
+    rope: Option<StepPositions>,
 }
 
 impl KvCache {
@@ -420,6 +477,7 @@ impl KvCache {
             device: device.clone(),
             store: None,
             counters: None,
+            rope: None,
         }
     }
 
@@ -476,7 +534,9 @@ impl KvCache {
     /// copy of `p.pos`, used to allocate at 0 and to check the capacity.
     pub fn append(&mut self, qkv: &Tensor, pos: usize, p: &StepPositions) -> Result<()> {
         let (heads, enc) = (self.heads, self.enc.clone());
-        enc.append(self.storage_for(qkv, pos)?.0, qkv, heads, p)
+        enc.append(self.storage_for(qkv, pos)?.0, qkv, heads, p)?;
+        self.rope = Some(p.clone());
+        Ok(())
     }
 
     /// A decode step's attention with its append: as [`KvCache::append`] of the one new
@@ -556,7 +616,9 @@ impl KvCache {
             )
         }
         let g = n_h / n_kv;
-        let (k, v) = self.enc.keys_values(kv, len, self.heads, self.dtype)?;
+        let (k, v) = self
+            .enc
+            .keys_values(kv, len, self.heads, self.dtype, self.rope.as_ref())?;
         let scale = 1.0 / (hd as f64).sqrt();
         let q = (q.contiguous()? * scale)?.reshape((b, n_kv, g * seq, hd))?;
         let att = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;

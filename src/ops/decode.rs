@@ -523,7 +523,7 @@ pub fn append_decode_attention(
     if !cache.device().is_cuda() {
         match codec {
             None => rope_kv_append(cache, qkv, heads, p)?,
-            Some(c) => super::kv_quant::kv_append(cache, qkv, heads, p, c)?,
+            Some(c) => super::kv_quant::kv_append(cache, qkv, heads, p, c, true)?,
         }
         return decode_attention(qkv, cache, counters, heads, p, codec);
     }
@@ -563,7 +563,7 @@ fn check_attention(
     let (row_ok, dtype_ok) = match codec {
         None => (row == heads.hd, cache.dtype() == qkv.dtype()),
         Some(c) => (
-            KvCodec::supports(heads.hd) && row == c.rec_bytes(heads.hd),
+            c.supports(heads.hd) && row == c.rec_bytes(heads.hd),
             cache.dtype() == DType::U8,
         ),
     };

@@ -11,10 +11,13 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{DType, Layout, Result, Tensor, WithDType};
 use half::{bf16, f16};
 
-/// Threads per block of `attn_decode` and rounds of loads in flight per thread
-/// (ATTN_THREADS, ATTN_UNROLL in its header).
+/// Threads per block of `attn_decode` (ATTN_THREADS in its header).
 const ATTN_THREADS: u32 = 128;
-const ATTN_UNROLL: usize = 4;
+
+/// Warps per block and keys per warp step of the tensor-core kv4 kernel (TC_WARPS,
+/// TC_STEP in cuda/decode_attention.cu).
+const TC_WARPS: usize = 4;
+const TC_STEP: usize = 16;
 
 fn suffix(dt: DType) -> Result<&'static str> {
     Ok(match dt {
@@ -202,6 +205,21 @@ fn attn_chunk(max_len: usize, batch_rows: usize) -> usize {
     }
 }
 
+/// Keys per block of the tensor-core kv4 kernel for caches of more than 8192 rows (a block
+/// streams its keys in four warps; longer chunks leave fewer partials to merge).
+const TC_LONG_CHUNK: usize = 512;
+
+/// `CANDLE_LOWBIT_TC_CHUNK`: overrides [`TC_LONG_CHUNK`] (for measuring; read once).
+fn tc_long_chunk() -> Option<usize> {
+    static C: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *C.get_or_init(|| {
+        std::env::var("CANDLE_LOWBIT_TC_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&c: &usize| c >= 64 && c % 64 == 0)
+    })
+}
+
 /// Blocks per thread-block cluster of `attn_decode` (ATTN_MAX_CLUSTER in its header): at
 /// batch 1, a cache of up to this many key chunks merges through distributed shared memory (H200, 7B
 /// f16 at ctx 128 in a 160-token cache: 3.69 ms/token against 3.72-3.76 with the global
@@ -289,20 +307,27 @@ pub(super) fn decode_attention(
         let (b, max_len) = (dims[1], dims[3]);
         let Heads { nh, nkv, hd } = heads;
         let g = nh / nkv;
-        // Values per lane chunk (EPL in cuda/kv_codec.cuh) and bytes per row.
-        let (epl, rec) = match codec {
-            None => (16 / T::DTYPE.size_in_bytes(), hd * T::DTYPE.size_in_bytes()),
-            Some(c) => (8, c.rec_bytes(hd)),
+        // kv4 runs on the tensor-core kernel (keys in steps of TC_STEP per warp); the others
+        // on the generic one, in chunks of EPL values per lane with UNROLL chunks in flight
+        // (EPL, UNROLL of the encoding in cuda/kv_codec.cuh).
+        let tc = matches!(codec, Some(KvCodec::Kv4));
+        let (epl, unroll, rec) = match codec {
+            None => (16 / T::DTYPE.size_in_bytes(), 4, hd * T::DTYPE.size_in_bytes()),
+            Some(c) => (8, 4, c.rec_bytes(hd)),
         };
-        if hd % epl != 0 || hd / epl > 32 || (128 / (hd / epl)) * (hd / epl) != 128 {
-            candle_core::bail!(
-                "decode_attention: head dim {hd} unsupported for {:?} ({})",
-                T::DTYPE,
-                codec.map_or("dense", |c| c.name())
-            )
+        if tc && !matches!(hd, 64 | 128) {
+            candle_core::bail!("decode_attention: kv4 needs head dim 64 or 128, got {hd}")
         }
-        let batch_rows = (ATTN_THREADS as usize / (hd / epl)) * ATTN_UNROLL;
-        let chunk = attn_chunk(max_len, batch_rows);
+        let batch_rows = if tc {
+            TC_WARPS * TC_STEP
+        } else {
+            (ATTN_THREADS as usize / (hd / epl)) * unroll
+        };
+        let chunk = match (tc, tc_long_chunk()) {
+            (true, Some(c)) if max_len > 8192 => c,
+            (true, None) if max_len > 8192 => TC_LONG_CHUNK,
+            _ => attn_chunk(max_len, batch_rows),
+        };
         let n_split = max_len.div_ceil(chunk);
         // Clusters only at batch 1 and where one cluster holds a KV head's whole cache.
         // Launched in clusters, the long-context launches (many chunks, global merge) ran
@@ -316,7 +341,11 @@ pub(super) fn decode_attention(
             } else {
                 0
             };
-        let smem = (g * hd + g * chunk + ATTN_THREADS as usize * epl * g) * 4;
+        let smem = if tc {
+            (g * hd + TC_WARPS * g * hd) * 4
+        } else {
+            (g * hd + g * chunk + ATTN_THREADS as usize * epl * g) * 4
+        };
         if smem > 48 * 1024 {
             candle_core::bail!(
                 "decode_attention: {smem} bytes of shared memory for {heads:?} (limit 48 KiB)"
@@ -349,9 +378,10 @@ pub(super) fn decode_attention(
         let part_ml = unsafe { dev.alloc::<f32>(b * nh * n_split * 2)? };
         let out = unsafe { dev.alloc::<T>(b * nh * hd)? };
         let name = format!(
-            "attn_decode_{}_{}{}",
+            "attn_decode_{}_{}{}{}",
             suffix(T::DTYPE)?,
             codec.map_or("dense", |c| c.name()),
+            if tc { format!("_h{hd}") } else { String::new() },
             if append { "_append" } else { "" }
         );
         let func =
@@ -401,7 +431,8 @@ pub(super) fn decode_attention(
                             } else {
                                 n_split.next_multiple_of(cluster)
                             };
-                            let cfg = grid(x, nkv, b, ATTN_THREADS, smem as u32);
+                            let threads = if tc { 32 * TC_WARPS as u32 } else { ATTN_THREADS };
+                            let cfg = grid(x, nkv, b, threads, smem as u32);
                             unsafe { launch_params(&func, &stream, cfg, cluster as u32, &params) }
                         })
                     })

@@ -18,10 +18,10 @@ fn packed_dims(cache: &Tensor, heads: Heads, codec: KvCodec) -> Result<(usize, u
         || two != 2
         || nkv != heads.nkv
         || rec != codec.rec_bytes(heads.hd)
-        || !KvCodec::supports(heads.hd)
+        || !codec.supports(heads.hd)
     {
         candle_core::bail!(
-            "{} cache: got {:?} {:?}, expected u8 [2, b, {}, max_len, {}] (head dim 32, 64 or 128, here {})",
+            "{} cache: got {:?} {:?}, expected u8 [2, b, {}, max_len, {}] (head dim {} unsupported or wrong)",
             codec.name(),
             cache.shape(),
             cache.dtype(),
@@ -38,13 +38,15 @@ fn packed_dims(cache: &Tensor, heads: Heads, codec: KvCodec) -> Result<(usize, u
 
 /// Rotate and encode the K and V of `qkv` `[b, seq, (nh + 2 nkv) hd]` into `cache` at rows
 /// `p.pos..p.pos + seq` (in place). K is rotated in f32 and rounded to `qkv`'s dtype
-/// before it is encoded, as a dense cache would hold it.
+/// before it is encoded, as a dense cache would hold it; with `rotate_k` false K is
+/// encoded as projected (before RoPE).
 pub fn kv_append(
     cache: &Tensor,
     qkv: &Tensor,
     heads: Heads,
     p: &StepPositions,
     codec: KvCodec,
+    rotate_k: bool,
 ) -> Result<()> {
     let (b, _) = packed_dims(cache, heads, codec)?;
     let (qb, seq, w) = qkv.dims3()?;
@@ -65,6 +67,7 @@ pub fn kv_append(
             heads,
             p: p.clone(),
             codec,
+            rotate_k,
         },
     )
 }
@@ -73,6 +76,7 @@ struct KvAppend {
     heads: Heads,
     p: StepPositions,
     codec: KvCodec,
+    rotate_k: bool,
 }
 
 /// The rounding of `x` to dtype `dt` (the value a dense cache of that dtype would hold).
@@ -114,7 +118,12 @@ impl InplaceOp2 for KvAppend {
             for i in 0..seq {
                 let row = &qkv[(s * seq + i) * w..(s * seq + i + 1) * w];
                 for kh in 0..nkv {
-                    hp.rotate(&row[(nh + kh) * hd..(nh + kh + 1) * hd], hp.rope_pos(s, i), &mut rot)?;
+                    let k = &row[(nh + kh) * hd..(nh + kh + 1) * hd];
+                    if self.rotate_k {
+                        hp.rotate(k, hp.rope_pos(s, i), &mut rot)?;
+                    } else {
+                        rot.copy_from_slice(k);
+                    }
                     rot.iter_mut().for_each(|x| *x = round_to(*x, dt));
                     val.copy_from_slice(&row[(nh + nkv + kh) * hd..(nh + nkv + kh + 1) * hd]);
                     for (kv, x) in [(0, &rot), (1, &val)] {
@@ -135,7 +144,7 @@ impl InplaceOp2 for KvAppend {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<()> {
-        cuda::kv_append(self.heads, &self.p, self.codec, s1, l1, s2, l2)
+        cuda::kv_append(self.heads, &self.p, (self.codec, self.rotate_k), s1, l1, s2, l2)
     }
 }
 

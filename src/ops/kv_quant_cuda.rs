@@ -37,7 +37,7 @@ struct AppendParams {
     hd: i32,
     max_len: i32,
     rec: i32,
-    pad: i32,
+    rotate_k: i32,
     thr_k: KvThr,
     thr_v: KvThr,
 }
@@ -61,7 +61,7 @@ struct DequantParams {
 pub(super) fn kv_append(
     heads: Heads,
     p: &StepPositions,
-    codec: KvCodec,
+    (codec, rotate_k): (KvCodec, bool),
     s1: &mut CudaStorage,
     l1: &Layout,
     s2: &CudaStorage,
@@ -70,7 +70,7 @@ pub(super) fn kv_append(
     fn run<T: CudaDType + DeviceRepr + WithDType>(
         heads: Heads,
         p: &StepPositions,
-        codec: KvCodec,
+        (codec, rotate_k): (KvCodec, bool),
         s1: &mut CudaStorage,
         l1: &Layout,
         s2: &CudaStorage,
@@ -110,7 +110,7 @@ pub(super) fn kv_append(
                             hd: heads.hd as i32,
                             max_len: max_len as i32,
                             rec: rec as i32,
-                            pad: 0,
+                            rotate_k: rotate_k as i32,
                             thr_k: codec.thr(0),
                             thr_v: codec.thr(1),
                         };
@@ -130,9 +130,9 @@ pub(super) fn kv_append(
         Ok(())
     }
     match s2.dtype() {
-        DType::F32 => run::<f32>(heads, p, codec, s1, l1, s2, l2),
-        DType::F16 => run::<f16>(heads, p, codec, s1, l1, s2, l2),
-        DType::BF16 => run::<bf16>(heads, p, codec, s1, l1, s2, l2),
+        DType::F32 => run::<f32>(heads, p, (codec, rotate_k), s1, l1, s2, l2),
+        DType::F16 => run::<f16>(heads, p, (codec, rotate_k), s1, l1, s2, l2),
+        DType::BF16 => run::<bf16>(heads, p, (codec, rotate_k), s1, l1, s2, l2),
         dt => candle_core::bail!("kv_append: unsupported dtype {dt:?}"),
     }
 }
