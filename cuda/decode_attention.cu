@@ -14,11 +14,13 @@
 // writes K and V to row pos (k_out, v_out: the same buffers as k_cache, v_cache) and uses
 // them from shared memory; no other block reads row pos.
 //
-// One kernel per (run dtype T, KV encoding E, APPEND), all taking one AttnParams. The
-// encodings (dense T rows, kv4, oaken) and their byte layouts are in kv_codec.cuh: a
-// lane reads a chunk of E::EPL values of a row (16 bytes of T, or 4 bytes of codes plus
-// the row's scales and, for oaken, its segment's sparse entries) and dequantizes it in
-// registers; everything after that is the same for every encoding.
+// Two kernel families, both taking one AttnParams and ending in attn_finish (the merge of
+// the key chunks). The generic one, per (run dtype T, KV encoding E, APPEND) for dense
+// rows and oaken: a lane reads a chunk of E::EPL values of a row (16 bytes of T, or 4
+// bytes of codes plus the row's scales and its segment's sparse entries) and dequantizes
+// it in registers. The tensor-core one for kv4 (attn_decode_kv4_tc, further down): mma
+// over the raw codes with the per-key scales folded out. Encodings and byte layouts:
+// kv_codec.cuh.
 //
 // Layouts (row-major, contiguous; T in {f32, f16, bf16}):
 //   qkv      [b, (nh + 2*nkv) * hd] T  fused projection of the new token; its q heads are
@@ -428,11 +430,12 @@ __device__ void attn_decode(const AttnParams& p) {
 #define TC_WARPS 4
 #define TC_STEP 16
 
-__device__ __forceinline__ void mma_f16_16816(float* c, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma_f16_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // f16 pairs of nibbles (0, 4) and (1, 5) of w, exact: (w & mask) | 0x6400 is 1024 + n
@@ -490,9 +493,9 @@ template <int HD> struct TcLoads {
 };
 
 // grid (n_split, nkv, b), block TC_WARPS * 32, dynamic smem (g*HD + TC_WARPS*g*HD) floats.
-template <typename T, int HD, bool APPEND>
+template <typename T, int HD, bool APPEND, bool PREFETCH>
 __device__ void attn_decode_kv4_tc(const AttnParams& p) {
-    constexpr int KS = HD / 16, NT = HD / 8, VW = HD / 64;
+    constexpr int KS = HD / 16, MT = HD / 16, VW = HD / 64;
     extern __shared__ float sh[];
     __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
     __shared__ float wm_sh[TC_WARPS][ATTN_MAX_G], wl_sh[TC_WARPS][ATTN_MAX_G];
@@ -527,7 +530,7 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     const float rc = p.cos[(size_t)rpos * half + jr], rs = p.sin[(size_t)rpos * half + jr];
     const int k0_first = start + warp * TC_STEP;
     TcLoads<HD> first;
-    if (!has_new) first.load(kb, vb, rec, k0_first, end, qr, qc);
+    if (PREFETCH && !has_new) first.load(kb, vb, rec, k0_first, end, qr, qc);
     pdl_wait();  // qkv comes from the previous kernel
     const T* row_gl_rd = static_cast<const T*>(p.qkv) + (size_t)s * (nh + 2 * nkv) * HD;
     {
@@ -576,17 +579,19 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
     qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
 
-    float acc[NT][4];
+    // Oᵀ [HD, heads] in m-tiles of 16 rows: acc[m] holds rows 16m + qr (+ 8), heads 2qc, 2qc+1.
+    float acc[MT][4];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
     float m_run = -INFINITY, l_run = 0.f, pm_run = 0.f;
     // Each step's loads are issued one step ahead (the first before pdl_wait, where the
     // block does not hold the new row).
     TcLoads<HD> cur = first;
-    if (has_new) cur.load(kb, vb, rec, k0_first, end, qr, qc);
+    if (!PREFETCH || has_new) cur.load(kb, vb, rec, k0_first, end, qr, qc);
     for (int k0 = k0_first; k0 < end; k0 += TC_WARPS * TC_STEP) {
         TcLoads<HD> nxt;
-        if (k0 + TC_WARPS * TC_STEP < end) nxt.load(kb, vb, rec, k0 + TC_WARPS * TC_STEP, end, qr, qc);
+        if (PREFETCH && k0 + TC_WARPS * TC_STEP < end) nxt.load(kb, vb, rec, k0 + TC_WARPS * TC_STEP, end, qr, qc);
+        if (!PREFETCH && k0 != k0_first) cur.load(kb, vb, rec, k0, end, qr, qc);
         const auto& kw = cur.kw;
         const auto& km = cur.km;
         const auto& vw = cur.vw;
@@ -599,7 +604,7 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {
                 const uint32_t w = (ks & 1) ? kw[t][ks / 2] >> 8 : kw[t][ks / 2];
-                mma_f16_16816(sc[t], qa[ks][0], qa[ks][1], nib_lo(w), nib_hi(w));
+                mma_f16_16816(sc[t], qa[ks][0], 0u, qa[ks][1], 0u, nib_lo(w), nib_hi(w));
             }
         }
         float sv[4], mloc = -INFINITY;
@@ -624,19 +629,21 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
         l_run = l_run * alpha + psum;
         pm_run = pm_run * alpha + pmin;
         m_run = m_new;
+        // Oᵀ += C_vᵀ · (P·diag(v_scale))ᵀ: A the V codes (rows: columns d of V, cols: the
+        // step's keys), B this thread's probabilities as they are (head qr, keys 2qc + i).
+        const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * qc), al1 = __shfl_sync(0xffffffffu, alpha, 8 * qc + 4);
 #pragma unroll
-        for (int j = 0; j < NT; ++j) { acc[j][0] *= alpha; acc[j][1] *= alpha; }
-        const uint32_t pa0 = half2_bits(pv[0] * h_lo(vm[0]), pv[1] * h_lo(vm[1]));
-        const uint32_t pa2 = half2_bits(pv[2] * h_lo(vm[2]), pv[3] * h_lo(vm[3]));
+        for (int m = 0; m < MT; ++m) { acc[m][0] *= al0; acc[m][1] *= al1; acc[m][2] *= al0; acc[m][3] *= al1; }
+        const uint32_t pb0 = half2_bits(pv[0] * h_lo(vm[0]), pv[1] * h_lo(vm[1]));
+        const uint32_t pb1 = half2_bits(pv[2] * h_lo(vm[2]), pv[3] * h_lo(vm[3]));
 #pragma unroll
         for (int w = 0; w < VW; ++w) {
             const uint32_t za[2] = {prmt(vw[0][w], vw[1][w], 0x5410), prmt(vw[0][w], vw[1][w], 0x7632)};
             const uint32_t zb[2] = {prmt(vw[2][w], vw[3][w], 0x5410), prmt(vw[2][w], vw[3][w], 0x7632)};
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                const uint32_t a = za[jj >> 2] >> (8 * ((jj >> 1) & 1)), b = zb[jj >> 2] >> (8 * ((jj >> 1) & 1));
-                const uint32_t b0 = (jj & 1) ? nib_hi(a) : nib_lo(a), b1 = (jj & 1) ? nib_hi(b) : nib_lo(b);
-                mma_f16_16816(acc[8 * w + jj], pa0, pa2, b0, b1);
+            for (int mm = 0; mm < 4; ++mm) {  // m-tile 4w + mm: V columns j = 2mm, 2mm + 1 of word w
+                const uint32_t a = za[mm >> 1] >> (8 * (mm & 1)), b = zb[mm >> 1] >> (8 * (mm & 1));
+                mma_f16_16816(acc[4 * w + mm], nib_lo(a), nib_hi(a), nib_lo(b), nib_hi(b), pb0, pb1);
             }
         }
         cur = nxt;
@@ -646,14 +653,20 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     pm_run += __shfl_xor_sync(0xffffffffu, pm_run, 1);
     pm_run += __shfl_xor_sync(0xffffffffu, pm_run, 2);
     __syncthreads();  // every warp is past its reads of q_sh and of the new rows in wo_sh
-    if (qr < g) {
+    const float pm0 = __shfl_sync(0xffffffffu, pm_run, 8 * qc), pm1 = __shfl_sync(0xffffffffu, pm_run, 8 * qc + 4);
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            wo_sh[(warp * g + qr) * HD + 8 * j + 2 * qc] = acc[j][0] + pm_run;
-            wo_sh[(warp * g + qr) * HD + 8 * j + 2 * qc + 1] = acc[j][1] + pm_run;
+    for (int m = 0; m < MT; ++m) {
+        const int d = 16 * m + qr;
+        if (2 * qc < g) {
+            wo_sh[(warp * g + 2 * qc) * HD + d] = acc[m][0] + pm0;
+            wo_sh[(warp * g + 2 * qc) * HD + d + 8] = acc[m][2] + pm0;
         }
-        if (qc == 0) { wm_sh[warp][qr] = m_run; wl_sh[warp][qr] = l_run; }
+        if (2 * qc + 1 < g) {
+            wo_sh[(warp * g + 2 * qc + 1) * HD + d] = acc[m][1] + pm1;
+            wo_sh[(warp * g + 2 * qc + 1) * HD + d + 8] = acc[m][3] + pm1;
+        }
     }
+    if (qr < g && qc == 0) { wm_sh[warp][qr] = m_run; wl_sh[warp][qr] = l_run; }
     __syncthreads();
     float* o_sh = q_sh;
     for (int idx = threadIdx.x; idx < g * HD; idx += blockDim.x) {
@@ -676,14 +689,25 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     attn_finish<T>(p, o_sh, m_sh, l_sh, &last_sh, n_active, in_cluster);
 }
 
+// attn_decode_<dtype>_kv4_h<HD>[_append][_nopf]: _nopf (the host's default) loads each
+// step's rows when the step starts (128 registers: four blocks per SM); the other loads
+// them one step ahead (144).
 #define ATTN_TC_KERNEL(SUF, T, HD)                                                        \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
         attn_decode_##SUF##_kv4_h##HD(const __grid_constant__ AttnParams p) {             \
-        attn_decode_kv4_tc<T, HD, false>(p);                                              \
+        attn_decode_kv4_tc<T, HD, false, true>(p);                                        \
     }                                                                                     \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
         attn_decode_##SUF##_kv4_h##HD##_append(const __grid_constant__ AttnParams p) {    \
-        attn_decode_kv4_tc<T, HD, true>(p);                                               \
+        attn_decode_kv4_tc<T, HD, true, true>(p);                                         \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
+        attn_decode_##SUF##_kv4_h##HD##_nopf(const __grid_constant__ AttnParams p) {      \
+        attn_decode_kv4_tc<T, HD, false, false>(p);                                       \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
+        attn_decode_##SUF##_kv4_h##HD##_append_nopf(const __grid_constant__ AttnParams p) { \
+        attn_decode_kv4_tc<T, HD, true, false>(p);                                        \
     }
 ATTN_TC_KERNEL(f32, float, 64)
 ATTN_TC_KERNEL(f32, float, 128)

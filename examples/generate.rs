@@ -119,11 +119,7 @@ fn generate(
         if check_finite {
             let v = logits.flatten_all()?.to_vec1::<f32>()?;
             if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-                bail!(
-                    "step {}: logit {i} is {} (not finite)",
-                    tokens.len(),
-                    v[i]
-                )
+                bail!("step {}: logit {i} is {} (not finite)", tokens.len(), v[i])
             }
         }
         let next = sampler.sample(&logits.squeeze(0)?)?;
@@ -278,8 +274,8 @@ fn print_capacity(s: &common::Session) -> Result<()> {
     };
     let c = &s.loaded.config;
     let hd = c.hidden_size / c.num_attention_heads.max(1);
-    let per_token = 2 * c.num_hidden_layers * c.num_key_value_heads
-        * s.kv_cache.row_bytes(hd, s.dtype);
+    let per_token =
+        2 * c.num_hidden_layers * c.num_key_value_heads * s.kv_cache.row_bytes(hd, s.dtype);
     let tokens = free / per_token.max(1);
     let ctx = c.max_position_embeddings;
     println!(

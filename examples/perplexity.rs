@@ -437,8 +437,7 @@ fn main() -> Result<()> {
             args.ctx, s.loaded.config.max_position_embeddings
         );
     }
-    let mut cache =
-        s.cache(args.ctx)?;
+    let mut cache = s.cache(args.ctx)?;
     let ours = score_ours(&s, &mut cache, &tokens, &bs)?;
     drop(cache);
     let stock = if args.compare {

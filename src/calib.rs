@@ -315,7 +315,11 @@ pub fn oaken_thresholds(
         .iter()
         .enumerate()
         .map(|(i, q)| {
-            let k = if k_pre_rope { &q.k_pre_rope } else { &q.k_post_rope };
+            let k = if k_pre_rope {
+                &q.k_pre_rope
+            } else {
+                &q.k_post_rope
+            };
             crate::kv::OakenLayer::from_quantiles(k, &q.v)
                 .map_err(|e| candle_core::Error::Msg(format!("layer {i}: {e}")))
         })

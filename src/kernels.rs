@@ -115,7 +115,7 @@ mod cuda {
         cluster_x: u32,
         args: &[Arg],
     ) -> Result<()> {
-        if cluster_x == 0 || cfg.grid_dim.0 % cluster_x != 0 {
+        if cluster_x == 0 || !cfg.grid_dim.0.is_multiple_of(cluster_x) {
             candle_core::bail!(
                 "launch: grid x {} is not a multiple of the cluster's {cluster_x}",
                 cfg.grid_dim.0
@@ -138,7 +138,7 @@ mod cuda {
         cluster_x: u32,
         params: &P,
     ) -> Result<()> {
-        if cluster_x > 0 && cfg.grid_dim.0 % cluster_x != 0 {
+        if cluster_x > 0 && !cfg.grid_dim.0.is_multiple_of(cluster_x) {
             candle_core::bail!(
                 "launch: grid x {} is not a multiple of the cluster's {cluster_x}",
                 cfg.grid_dim.0
@@ -220,9 +220,32 @@ mod cuda {
         (Arg::Ptr(p), guard)
     }
 
+    /// The device addresses `[cos, sin, pos, pads]` of a decode step's positions (f32, f32,
+    /// u32, u32 tensors on the GPU: `ops::StepPositions`), valid while `f` runs.
+    pub fn with_positions<R>(
+        t: [&candle_core::Tensor; 4],
+        stream: &CudaStream,
+        f: impl FnOnce([u64; 4]) -> Result<R>,
+    ) -> Result<R> {
+        with_view::<f32, _>(t[0], "cos", |cos| {
+            with_view::<f32, _>(t[1], "sin", |sin| {
+                with_view::<u32, _>(t[2], "pos", |pos| {
+                    with_view::<u32, _>(t[3], "pads", |pads| {
+                        let ((a, _g1), (b, _g2)) = (raw_ptr(&cos, stream), raw_ptr(&sin, stream));
+                        let ((c, _g3), (d, _g4)) = (raw_ptr(&pos, stream), raw_ptr(&pads, stream));
+                        f([a, b, c, d])
+                    })
+                })
+            })
+        })
+    }
+
     /// The raw device address of a view, for a kernel's parameter struct (and its guard,
     /// to hold until after the launch).
-    pub fn raw_ptr<'a, T>(v: &'a impl DevicePtr<T>, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+    pub fn raw_ptr<'a, T>(
+        v: &'a impl DevicePtr<T>,
+        stream: &'a CudaStream,
+    ) -> (u64, SyncOnDrop<'a>) {
         v.device_ptr(stream)
     }
 }

@@ -5,10 +5,10 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_lowbit::kv::oaken::OakenCalibration;
-use candle_lowbit::kv::{OakenFractions, OakenLayer};
 use candle_lowbit::calib::{self, CalibConfig, Quiet};
 use candle_lowbit::checkpoint::{self, SaveInfo, WEIGHTS_FILE};
+use candle_lowbit::kv::oaken::OakenCalibration;
+use candle_lowbit::kv::{OakenFractions, OakenLayer};
 use candle_lowbit::llama::Slot;
 use candle_lowbit::{Cache, KvFormat, Llama, WeightFormat};
 use candle_nn::VarBuilder;

@@ -319,11 +319,18 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
                 let p = positions_on(&pads, len as u32 - 1, &tabs, d)?;
                 let counters = Tensor::zeros(b * heads.nkv, DType::U32, d)?;
                 // GPU: one launch appends and attends; CPU: rope_kv_append, decode_attention.
-                let first =
-                    append_decode_attention(&step.to_device(d)?, cache, &counters, heads, &p, None)?;
+                let first = append_decode_attention(
+                    &step.to_device(d)?,
+                    cache,
+                    &counters,
+                    heads,
+                    &p,
+                    None,
+                )?;
                 // Again without the append, reading row pos from the cache, on the same
                 // counters (the kernel must have left them at zero): bit-identical.
-                let again = decode_attention(&step.to_device(d)?, cache, &counters, heads, &p, None)?;
+                let again =
+                    decode_attention(&step.to_device(d)?, cache, &counters, heads, &p, None)?;
                 assert_eq!(
                     counters.to_vec1::<u32>()?,
                     vec![0; b * heads.nkv],
@@ -504,7 +511,10 @@ fn gemv_cuda_matches_cpu() -> Result<()> {
 
 /// Bytes of two u8 caches that differ: `(count, first index)`.
 fn byte_diff(a: &Tensor, b: &Tensor) -> Result<(usize, Option<usize>)> {
-    let (a, b) = (a.flatten_all()?.to_vec1::<u8>()?, b.flatten_all()?.to_vec1::<u8>()?);
+    let (a, b) = (
+        a.flatten_all()?.to_vec1::<u8>()?,
+        b.flatten_all()?.to_vec1::<u8>()?,
+    );
     let diff: Vec<usize> = (0..a.len()).filter(|&i| a[i] != b[i]).collect();
     Ok((diff.len(), diff.first().copied()))
 }
@@ -517,7 +527,9 @@ fn byte_diff(a: &Tensor, b: &Tensor) -> Result<(usize, Option<usize>)> {
 #[test]
 fn quantized_kv_cuda_matches_cpu() -> Result<()> {
     use candle_lowbit::kv::{KvCodec, OakenFractions, OakenLayer};
-    use candle_lowbit::ops::{append_decode_attention, decode_attention, kv_append, kv_dequantize, Heads};
+    use candle_lowbit::ops::{
+        append_decode_attention, decode_attention, kv_append, kv_dequantize, Heads,
+    };
     let (cpu, dev) = (Device::Cpu, gpu()?);
     let h = |nh, nkv, hd| Heads { nh, nkv, hd };
     let cases = [
@@ -537,7 +549,11 @@ fn quantized_kv_cuda_matches_cpu() -> Result<()> {
     for codec in [KvCodec::Kv4, KvCodec::Oaken(oaken)] {
         // kv4's tensor-core kernel rounds q to f16 whatever the run dtype.
         let f32_tol = if codec == KvCodec::Kv4 { 3e-3 } else { 1e-4 };
-        for (dtype, tol) in [(DType::F16, 3e-3f32), (DType::F32, f32_tol), (DType::BF16, 1.6e-2)] {
+        for (dtype, tol) in [
+            (DType::F16, 3e-3f32),
+            (DType::F32, f32_tol),
+            (DType::BF16, 1.6e-2),
+        ] {
             for (ci, &(heads, b, len, max_len)) in cases.iter().enumerate() {
                 if !codec.supports(heads.hd) {
                     continue;
@@ -559,10 +575,21 @@ fn quantized_kv_cuda_matches_cpu() -> Result<()> {
                     let p = positions_on(&pads, len as u32 - 1, &tabs, d)?;
                     let counters = Tensor::zeros(b * heads.nkv, DType::U32, d)?;
                     let x = step.to_device(d)?;
-                    let first = append_decode_attention(&x, &cache, &counters, heads, &p, Some(codec))?;
+                    let first =
+                        append_decode_attention(&x, &cache, &counters, heads, &p, Some(codec))?;
                     let again = decode_attention(&x, &cache, &counters, heads, &p, Some(codec))?;
-                    assert_eq!(counters.to_vec1::<u32>()?, vec![0; b * heads.nkv], "{what}: counters");
-                    assert_close(&again.to_device(&cpu)?, &first.to_device(&cpu)?, 0.0, 0.0, &format!("{what}: second call"))?;
+                    assert_eq!(
+                        counters.to_vec1::<u32>()?,
+                        vec![0; b * heads.nkv],
+                        "{what}: counters"
+                    );
+                    assert_close(
+                        &again.to_device(&cpu)?,
+                        &first.to_device(&cpu)?,
+                        0.0,
+                        0.0,
+                        &format!("{what}: second call"),
+                    )?;
                     outs.push(first.to_device(&cpu)?);
                     caches.push(cache.to_device(&cpu)?);
                 }
@@ -574,7 +601,9 @@ fn quantized_kv_cuda_matches_cpu() -> Result<()> {
                     .collect::<candle_core::Result<_>>()?;
                 assert_close(&deq[1], &deq[0], 0.0, 0.0, &format!("{what}: dequantize"))?;
                 let (d, i, r) = max_abs_diff(&outs[1], &outs[0])?;
-                println!("quantized decode attention {what}: max |diff| {d:.2e} at {i} (ref {r:.3})");
+                println!(
+                    "quantized decode attention {what}: max |diff| {d:.2e} at {i} (ref {r:.3})"
+                );
                 assert_close(&outs[1], &outs[0], tol, tol, &format!("{what}: attention"))?;
             }
         }

@@ -128,7 +128,11 @@ fn graph_replay_matches_eager_gpu_quantized_kv() -> Result<()> {
         for f in [WeightFormat::Dense, WeightFormat::Int4] {
             let mode = replay_with_kv(&dev, DType::F16, 64, f, kv)?;
             println!("{f} kv {kv}: 64 steps bit-identical, mode {mode:?}");
-            assert_eq!(mode, Mode::Graph, "{f} kv {kv}: the decoder did not replay a graph");
+            assert_eq!(
+                mode,
+                Mode::Graph,
+                "{f} kv {kv}: the decoder did not replay a graph"
+            );
         }
     }
     Ok(())

@@ -72,7 +72,12 @@ fn oaken_encodes_thresholds_outliers_and_empty_rows() {
     let (rec, y) = oaken_roundtrip(&x, &t);
     assert_eq!(counts(&rec, hd), vec![4], "four outer values, no inner");
     for d in [0, 1, 4, 5] {
-        assert!((y[d] - x[d]).abs() <= 7.0 / 15.0 / 2.0 + 1e-3, "outer {d}: {} -> {}", x[d], y[d]);
+        assert!(
+            (y[d] - x[d]).abs() <= 7.0 / 15.0 / 2.0 + 1e-3,
+            "outer {d}: {} -> {}",
+            x[d],
+            y[d]
+        );
     }
     // Middle values keep their side: at the inner thresholds they decode near them.
     assert!((y[2] - 0.125).abs() < 0.2 && y[2] >= 0.125, "{}", y[2]);
@@ -84,14 +89,26 @@ fn oaken_encodes_thresholds_outliers_and_empty_rows() {
     assert!(y.iter().all(|&v| (v - 1.0).abs() < 1e-3), "{y:?}");
     // All inner: 8 entries used, the rest demoted to the middle level at their side's
     // threshold (error at most the inner interval plus a step).
-    let x: Vec<f32> = (0..hd).map(|i| -0.09 + 0.2 * i as f32 / hd as f32).collect();
+    let x: Vec<f32> = (0..hd)
+        .map(|i| -0.09 + 0.2 * i as f32 / hd as f32)
+        .collect();
     let (rec, y) = oaken_roundtrip(&x, &t);
     assert_eq!(counts(&rec, hd), vec![8]);
     for d in 0..hd {
-        assert!((y[d] - x[d]).abs() <= 0.225 + 1e-3, "inner {d}: {} -> {}", x[d], y[d]);
+        assert!(
+            (y[d] - x[d]).abs() <= 0.225 + 1e-3,
+            "inner {d}: {} -> {}",
+            x[d],
+            y[d]
+        );
     }
     for d in 0..8 {
-        assert!((y[d] - x[d]).abs() <= 0.225 / 31.0, "sparse inner {d}: {} -> {}", x[d], y[d]);
+        assert!(
+            (y[d] - x[d]).abs() <= 0.225 / 31.0,
+            "sparse inner {d}: {} -> {}",
+            x[d],
+            y[d]
+        );
     }
 }
 
@@ -101,7 +118,11 @@ fn oaken_segment_overflow_keeps_every_value() {
     // 128 values: segment 0 all outer (64 > 8 entries), segment 1 has two.
     let mut x = vec![0.7f32; 128];
     for (d, v) in x.iter_mut().enumerate().take(64) {
-        *v = if d % 2 == 0 { 3.0 + d as f32 / 16.0 } else { -2.5 - d as f32 / 16.0 };
+        *v = if d % 2 == 0 {
+            3.0 + d as f32 / 16.0
+        } else {
+            -2.5 - d as f32 / 16.0
+        };
     }
     x[64] = 4.0;
     x[127] = -3.0;
@@ -124,7 +145,9 @@ fn oaken_segment_overflow_keeps_every_value() {
 #[test]
 fn codecs_error_within_their_steps_on_random_rows() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let t = OakenLayer::gaussian(1.0, OakenFractions::default()).unwrap().k;
+    let t = OakenLayer::gaussian(1.0, OakenFractions::default())
+        .unwrap()
+        .k;
     let gap = t.inner_hi - t.inner_lo;
     for hd in [32, 64, 128] {
         for _ in 0..300 {
@@ -132,7 +155,11 @@ fn codecs_error_within_their_steps_on_random_rows() {
             let x: Vec<f32> = (0..hd)
                 .map(|_| {
                     let g: f32 = (0..12).map(|_| rng.gen_range(0.0f32..1.0)).sum::<f32>() - 6.0;
-                    if rng.gen_range(0..50) == 0 { g * 6.0 } else { g }
+                    if rng.gen_range(0..50) == 0 {
+                        g * 6.0
+                    } else {
+                        g
+                    }
                 })
                 .collect();
             for kv in [0, 1] {
@@ -143,7 +170,9 @@ fn codecs_error_within_their_steps_on_random_rows() {
                 kv4::quantize_row(kv, &x, &mut rec);
                 let mut y = vec![0f32; hd];
                 kv4::dequantize_row(kv, &rec, &mut y);
-                let (mn, mx) = x.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+                let (mn, mx) = x
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
                 for d in 0..hd {
                     let e = (x[d] - y[d]).abs();
                     assert!(e <= (mx - mn) / 15.0 * 0.51 + 1e-2, "kv4 hd {hd}: {e}");
@@ -159,7 +188,12 @@ fn codecs_error_within_their_steps_on_random_rows() {
                     (Group::Inner, false) => gap + step,
                     _ => step * 1.01,
                 };
-                assert!(e <= bound + 1e-3, "oaken hd {hd} value {d}: {} -> {} ({bound})", x[d], y[d]);
+                assert!(
+                    e <= bound + 1e-3,
+                    "oaken hd {hd} value {d}: {} -> {} ({bound})",
+                    x[d],
+                    y[d]
+                );
             }
         }
     }
@@ -229,7 +263,13 @@ fn quantized_cache_paths_agree_on_cpu() -> Result<()> {
         KvCodec::Kv4,
         KvCodec::Oaken(OakenLayer::gaussian(1.0, OakenFractions::default())?),
     ] {
-        let mut q = KvCache::new(Arc::new(PackedKv::new(codec)), heads, 24, DType::F32, &Device::Cpu);
+        let mut q = KvCache::new(
+            Arc::new(PackedKv::new(codec)),
+            heads,
+            24,
+            DType::F32,
+            &Device::Cpu,
+        );
         let mut d = KvCache::of_format(KvFormat::Dense, heads, 24, DType::F32, &Device::Cpu)?;
         let pre = common::randn(3, &[b, 9, heads.qkv_width()], 1.0, DType::F32, &Device::Cpu)?;
         let p0 = positions(&[0, 2], 0, 24, heads.hd)?;
@@ -253,13 +293,18 @@ fn quantized_cache_paths_agree_on_cpu() -> Result<()> {
         let q1 = candle_nn::rotary_emb::rope(&qr.narrow(0, 1, 1)?.contiguous()?, &cos1, &sin1)?;
         let qr = Tensor::cat(&[q0, q1], 0)?;
         let mask = candle_lowbit::kv::causal_mask(&[0, 2], 9, 1, &Device::Cpu)?;
-        let generic = q
-            .attend(&qr, 10, Some(&mask))?
-            .transpose(1, 2)?
-            .reshape((b, 1, heads.nh * heads.hd))?;
+        let generic = q.attend(&qr, 10, Some(&mask))?.transpose(1, 2)?.reshape((
+            b,
+            1,
+            heads.nh * heads.hd,
+        ))?;
         common::assert_close(&fused, &generic, 1e-4, 1e-4, codec.name())?;
         let (diff, _, _) = common::max_abs_diff(&fused, &dense)?;
-        assert!(diff > 0.0 && diff < 0.5, "{}: vs dense {diff}", codec.name());
+        assert!(
+            diff > 0.0 && diff < 0.5,
+            "{}: vs dense {diff}",
+            codec.name()
+        );
     }
     Ok(())
 }
@@ -295,8 +340,14 @@ fn oaken_calibration_runs_through_the_model() -> Result<()> {
     let ids = Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6]], &Device::Cpu)?;
     model.forward(&ids, 0, &mut cache)?;
     let logits = model.forward(&Tensor::new(&[[7u32]], &Device::Cpu)?, 8, &mut cache)?;
-    assert!(logits.flatten_all()?.to_vec1::<f32>()?.iter().all(|v| v.is_finite()));
-    let err = KvSpec::from_format(KvFormat::Oaken).unwrap_err().to_string();
+    assert!(logits
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .all(|v| v.is_finite()));
+    let err = KvSpec::from_format(KvFormat::Oaken)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("thresholds"), "{err}");
     Ok(())
 }

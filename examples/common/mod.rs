@@ -8,10 +8,10 @@ use candle_core::{DType, Device};
 use candle_lowbit::calib::{CalibConfig, Progress};
 use candle_lowbit::formats::QuantOptions;
 use candle_lowbit::gptq::GptqConfig;
-use candle_lowbit::loader::{self, CalibSource, LoadOptions, Loaded};
-use candle_lowbit::model_files::ModelSource;
 use candle_lowbit::kv::oaken::OakenCalibration;
 use candle_lowbit::kv::{KvSpec, OakenFractions};
+use candle_lowbit::loader::{self, CalibSource, LoadOptions, Loaded};
+use candle_lowbit::model_files::ModelSource;
 use candle_lowbit::{Cache, KvFormat, WeightFormat};
 use std::path::PathBuf;
 
@@ -258,10 +258,17 @@ fn kv_spec(
         outer: args.calib.oaken_outer,
         inner: args.calib.oaken_inner,
     };
-    let k_rope = if args.kv_k_pre_rope { "pre-rope" } else { "post-rope" };
+    let k_rope = if args.kv_k_pre_rope {
+        "pre-rope"
+    } else {
+        "post-rope"
+    };
     if let Some(c) = loaded.manifest.as_ref().and_then(|m| m.kv_oaken.clone()) {
         if c.fractions == fractions && c.k_rope == k_rope {
-            return Ok((KvSpec::Oaken(c.layers.clone()), Some(("checkpoint".into(), c))));
+            return Ok((
+                KvSpec::Oaken(c.layers.clone()),
+                Some(("checkpoint".into(), c)),
+            ));
         }
     }
     let Some(src) = args.calib.source() else {

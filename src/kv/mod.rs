@@ -1,10 +1,10 @@
 //! KV caches: one layer's [`KvCache`] over every KV encoding, and the encodings.
 //!
 //! - [`KvFormat`]: the registry tag the CLI and the bench read (`f16`, `kv4`, `oaken`).
-//! - [`KvEncoding`]: what a format does with its storage: allocate, count bytes, append a
-//!   prompt's K and V, hand back K and V rows for the generic attention, and the fused
-//!   decode append + attention where it has one (an `Option`: the model asks the cache,
-//!   and takes the generic path on `None`). Implemented by [`DenseKv`] (rows in the run
+//! - [`KvEncoding`]: what a format does with its storage: allocate, append a prompt's K
+//!   and V, hand back K and V rows for the generic attention, and the fused decode step
+//!   (append and attention) where it has one (an `Option`: the model asks the cache, and
+//!   takes the generic path on `None`). Implemented by [`DenseKv`] (rows in the run
 //!   dtype) and [`PackedKv`] (one [`KvCodec`]: [`kv4`] or [`oaken`], the CPU references in
 //!   their modules, the kernels in `cuda/kv_codec.cuh`).
 //! - [`KvSpec`]: a format with what it needs to run (Oaken's per-layer thresholds).
@@ -120,7 +120,10 @@ impl KvSpec {
     pub fn uncalibrated(f: KvFormat, layers: usize) -> Result<Self> {
         match f {
             KvFormat::Oaken => Ok(Self::Oaken(vec![
-                OakenLayer::gaussian(1.0, OakenFractions::default())?;
+                OakenLayer::gaussian(
+                    1.0,
+                    OakenFractions::default()
+                )?;
                 layers
             ])),
             f => Self::from_format(f),
@@ -251,26 +254,30 @@ pub trait KvEncoding: std::fmt::Debug + Send + Sync {
     /// Why the fused decode kernels do not take `heads` for this encoding (`None`: they do).
     fn no_fused(&self, heads: Heads) -> Option<String>;
 
-    /// A decode step's append + attention in one launch (`qkv` `[b, 1, ..]`; `[b, 1, nh hd]`),
-    /// or `None` where this encoding has no fused kernel for `heads` or the device.
-    fn append_attend_decode(
-        &self,
-        store: &Tensor,
-        counters: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-        p: &StepPositions,
-    ) -> Result<Option<Tensor>>;
+    /// The packed encoding the decode kernels take (`None`: dense rows of the run dtype).
+    fn codec(&self) -> Option<KvCodec>;
 
-    /// The fused decode attention alone, over rows `0..=pos` already appended.
-    fn attend_decode(
+    /// The fused decode attention over rows `0..=pos` (`qkv` `[b, 1, ..]`; `[b, 1, nh hd]`),
+    /// with the step's append in the same launch where `append`; `None` where this encoding
+    /// has no fused kernel for `heads` (nothing was written).
+    fn fused_decode(
         &self,
         store: &Tensor,
         counters: &Tensor,
         qkv: &Tensor,
-        heads: Heads,
-        p: &StepPositions,
-    ) -> Result<Option<Tensor>>;
+        (heads, p): (Heads, &StepPositions),
+        append: bool,
+    ) -> Result<Option<Tensor>> {
+        if self.no_fused(heads).is_some() {
+            return Ok(None);
+        }
+        let codec = self.codec();
+        match append {
+            true => append_decode_attention(qkv, store, counters, heads, p, codec),
+            false => decode_attention(qkv, store, counters, heads, p, codec),
+        }
+        .map(Some)
+    }
 }
 
 /// Rows in the run dtype.
@@ -307,32 +314,8 @@ impl KvEncoding for DenseKv {
         (!heads.fused_ok()).then(|| format!("no fused decode attention for {heads:?}"))
     }
 
-    fn append_attend_decode(
-        &self,
-        store: &Tensor,
-        counters: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-        p: &StepPositions,
-    ) -> Result<Option<Tensor>> {
-        if self.no_fused(heads).is_some() {
-            return Ok(None);
-        }
-        append_decode_attention(qkv, store, counters, heads, p, None).map(Some)
-    }
-
-    fn attend_decode(
-        &self,
-        store: &Tensor,
-        counters: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-        p: &StepPositions,
-    ) -> Result<Option<Tensor>> {
-        if self.no_fused(heads).is_some() {
-            return Ok(None);
-        }
-        decode_attention(qkv, store, counters, heads, p, None).map(Some)
+    fn codec(&self) -> Option<KvCodec> {
+        None
     }
 }
 
@@ -366,7 +349,11 @@ impl KvEncoding for PackedKv {
                 h.hd
             )
         }
-        Tensor::zeros((2, b, h.nkv, max_len, self.0.rec_bytes(h.hd)), DType::U8, dev)
+        Tensor::zeros(
+            (2, b, h.nkv, max_len, self.0.rec_bytes(h.hd)),
+            DType::U8,
+            dev,
+        )
     }
 
     fn append(&self, store: &Tensor, qkv: &Tensor, heads: Heads, p: &StepPositions) -> Result<()> {
@@ -398,9 +385,20 @@ impl KvEncoding for PackedKv {
         let ids = Tensor::new(ids, store.device())?;
         let half = heads.hd / 2;
         let b = pads.len();
-        let cos = p.cos.index_select(&ids, 0)?.reshape((b, len, half))?.to_dtype(dt)?;
-        let sin = p.sin.index_select(&ids, 0)?.reshape((b, len, half))?.to_dtype(dt)?;
-        Ok((candle_nn::rotary_emb::rope(&k.contiguous()?, &cos, &sin)?, v))
+        let cos = p
+            .cos
+            .index_select(&ids, 0)?
+            .reshape((b, len, half))?
+            .to_dtype(dt)?;
+        let sin = p
+            .sin
+            .index_select(&ids, 0)?
+            .reshape((b, len, half))?
+            .to_dtype(dt)?;
+        Ok((
+            candle_nn::rotary_emb::rope(&k.contiguous()?, &cos, &sin)?,
+            v,
+        ))
     }
 
     fn no_fused(&self, heads: Heads) -> Option<String> {
@@ -414,32 +412,8 @@ impl KvEncoding for PackedKv {
             .then(|| format!("{}: head dim {} unsupported", self.0.name(), heads.hd))
     }
 
-    fn append_attend_decode(
-        &self,
-        store: &Tensor,
-        counters: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-        p: &StepPositions,
-    ) -> Result<Option<Tensor>> {
-        if self.no_fused(heads).is_some() {
-            return Ok(None);
-        }
-        append_decode_attention(qkv, store, counters, heads, p, Some(self.0)).map(Some)
-    }
-
-    fn attend_decode(
-        &self,
-        store: &Tensor,
-        counters: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-        p: &StepPositions,
-    ) -> Result<Option<Tensor>> {
-        if self.no_fused(heads).is_some() {
-            return Ok(None);
-        }
-        decode_attention(qkv, store, counters, heads, p, Some(self.0)).map(Some)
+    fn codec(&self) -> Option<KvCodec> {
+        Some(self.0)
     }
 }
 
@@ -554,7 +528,7 @@ impl KvCache {
         }
         let (heads, enc) = (self.heads, self.enc.clone());
         let (kv, counters) = self.storage_for(qkv, pos)?;
-        enc.append_attend_decode(kv, counters, qkv, heads, p)
+        enc.fused_decode(kv, counters, qkv, (heads, p), true)
     }
 
     /// The cache tensor and merge counters for rows `pos..pos + seq` of `qkv`
@@ -572,7 +546,10 @@ impl KvCache {
         if pos == 0 && self.batch() != b {
             let h = self.heads;
             self.store = None;
-            self.store = Some(self.enc.alloc(b, h, self.max_len, self.dtype, &self.device)?);
+            self.store = Some(
+                self.enc
+                    .alloc(b, h, self.max_len, self.dtype, &self.device)?,
+            );
             self.counters = Some(Tensor::zeros(b * h.nkv, DType::U32, &self.device)?);
         }
         let (Some(kv), Some(counters)) = (&self.store, &self.counters) else {
@@ -594,7 +571,8 @@ impl KvCache {
         let (Some(kv), Some(counters)) = (&self.store, &self.counters) else {
             candle_core::bail!("kv cache: attend before any append")
         };
-        self.enc.attend_decode(kv, counters, qkv, self.heads, p)
+        self.enc
+            .fused_decode(kv, counters, qkv, (self.heads, p), false)
     }
 
     /// Attention of rotated queries `q` `[b, nh, seq, hd]` over the first `len` rows.

@@ -680,7 +680,11 @@ impl CustomOp2 for DecodeAttention {
                     let mut out = vec![0f32; len * hd];
                     for j in 0..len {
                         let off = (head * max_len + j) * row;
-                        codec.dequantize_row(kv, &c[off..off + row], &mut out[j * hd..(j + 1) * hd]);
+                        codec.dequantize_row(
+                            kv,
+                            &c[off..off + row],
+                            &mut out[j * hd..(j + 1) * hd],
+                        );
                     }
                     out
                 }

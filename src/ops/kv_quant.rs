@@ -6,7 +6,7 @@
 //! - [`kv_dequantize`]: rows `0..len` of a packed cache as `[2, b, nkv, len, hd]` in a
 //!   float dtype.
 
-use super::decode::{check_positions, HostPositions, Heads, StepPositions};
+use super::decode::{check_positions, Heads, HostPositions, StepPositions};
 use crate::kv::KvCodec;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Result, Shape, Tensor};
@@ -50,7 +50,10 @@ pub fn kv_append(
 ) -> Result<()> {
     let (b, _) = packed_dims(cache, heads, codec)?;
     let (qb, seq, w) = qkv.dims3()?;
-    if qb != b || w != heads.qkv_width() || !matches!(qkv.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+    if qb != b
+        || w != heads.qkv_width()
+        || !matches!(qkv.dtype(), DType::F32 | DType::F16 | DType::BF16)
+    {
         candle_core::bail!(
             "kv_append: qkv {:?} {:?} does not fit a cache of batch {b} for {heads:?}",
             qkv.shape(),
@@ -93,7 +96,13 @@ impl InplaceOp2 for KvAppend {
         "kv-append"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
         let hp = HostPositions::read(&self.p)?;
         let Heads { nh, nkv, hd } = self.heads;
         let dims = l1.shape().dims().to_vec();
@@ -144,7 +153,15 @@ impl InplaceOp2 for KvAppend {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<()> {
-        cuda::kv_append(self.heads, &self.p, (self.codec, self.rotate_k), s1, l1, s2, l2)
+        cuda::kv_append(
+            self.heads,
+            &self.p,
+            (self.codec, self.rotate_k),
+            s1,
+            l1,
+            s2,
+            l2,
+        )
     }
 }
 

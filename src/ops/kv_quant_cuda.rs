@@ -1,7 +1,7 @@
 //! CUDA launchers of `cuda/kv_quant.cu`. Shapes and dtypes are validated in `kv_quant.rs`.
 
 use super::{Heads, StepPositions};
-use crate::kernels::{contiguous_view, launch_params, ptx, raw_ptr, with_view};
+use crate::kernels::{contiguous_view, launch_params, ptx, raw_ptr, with_positions};
 use crate::kv::oaken::KvThr;
 use crate::kv::KvCodec;
 use candle_core::backend::BackendStorage;
@@ -87,42 +87,35 @@ pub(super) fn kv_append(
         let cache = s1.as_cuda_slice_mut::<u8>()?;
         let half = cache.len() / 2;
         let (k, v) = cache.split_at_mut(half);
-        with_view::<f32, _>(&p.cos, "cos", |cos| {
-            with_view::<f32, _>(&p.sin, "sin", |sin| {
-                with_view::<u32, _>(&p.pos, "pos", |pos| {
-                    with_view::<u32, _>(&p.pads, "pads", |pads| {
-                        let (qp, _g1) = raw_ptr(&qkv, &stream);
-                        let ((cp, _g2), (sp, _g3)) = (raw_ptr(&cos, &stream), raw_ptr(&sin, &stream));
-                        let ((pp, _g4), (dp, _g5)) = (raw_ptr(&pos, &stream), raw_ptr(&pads, &stream));
-                        let ((kp, _g6), (vp, _g7)) = (raw_ptr(&k, &stream), raw_ptr(&v, &stream));
-                        let params = AppendParams {
-                            qkv: qp,
-                            cos: cp,
-                            sin: sp,
-                            pos: pp,
-                            pads: dp,
-                            k: kp,
-                            v: vp,
-                            b: b as i32,
-                            seq: seq as i32,
-                            nh: heads.nh as i32,
-                            nkv: heads.nkv as i32,
-                            hd: heads.hd as i32,
-                            max_len: max_len as i32,
-                            rec: rec as i32,
-                            rotate_k: rotate_k as i32,
-                            thr_k: codec.thr(0),
-                            thr_v: codec.thr(1),
-                        };
-                        let cfg = LaunchConfig {
-                            grid_dim: (seq as u32, b as u32, heads.nkv as u32),
-                            block_dim: (64, 1, 1),
-                            shared_mem_bytes: 0,
-                        };
-                        unsafe { launch_params(&func, &stream, cfg, 0, &params) }
-                    })
-                })
-            })
+        let tables = [&p.cos, &p.sin, &p.pos, &p.pads];
+        with_positions(tables, &stream, |[cp, sp, pp, dp]| {
+            let (qp, _g1) = raw_ptr(&qkv, &stream);
+            let ((kp, _g6), (vp, _g7)) = (raw_ptr(&k, &stream), raw_ptr(&v, &stream));
+            let params = AppendParams {
+                qkv: qp,
+                cos: cp,
+                sin: sp,
+                pos: pp,
+                pads: dp,
+                k: kp,
+                v: vp,
+                b: b as i32,
+                seq: seq as i32,
+                nh: heads.nh as i32,
+                nkv: heads.nkv as i32,
+                hd: heads.hd as i32,
+                max_len: max_len as i32,
+                rec: rec as i32,
+                rotate_k: rotate_k as i32,
+                thr_k: codec.thr(0),
+                thr_v: codec.thr(1),
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (seq as u32, b as u32, heads.nkv as u32),
+                block_dim: (64, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            unsafe { launch_params(&func, &stream, cfg, 0, &params) }
         })?;
         if l1.start_offset() != 0 {
             candle_core::bail!("kv_append: cache must start at offset 0")

@@ -13,8 +13,8 @@ pub use decode::{
     advance_pos, append_decode_attention, decode_attention, embed_gather, rope_kv_append, silu_mul,
     Heads, StepPositions,
 };
-pub use kv_quant::{kv_append, kv_dequantize};
 pub use gemv::{gemv, gemv_ok, gemv_silu_mul, gemv_weight_ok, Gemv, GEMV_MAX_M};
+pub use kv_quant::{kv_append, kv_dequantize};
 pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
 pub use tiles::{tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_MAX_M};
