@@ -351,3 +351,50 @@ fn oaken_calibration_runs_through_the_model() -> Result<()> {
     assert!(err.contains("thresholds"), "{err}");
     Ok(())
 }
+
+/// Bad caches and head dims are rejected with the shapes named.
+#[test]
+fn bad_inputs_are_rejected_clearly() -> Result<()> {
+    let dev = Device::Cpu;
+    let heads = Heads {
+        nh: 2,
+        nkv: 1,
+        hd: 32,
+    };
+    let qkv = common::randn(1, &[1, 3, heads.qkv_width()], 1.0, DType::F32, &dev)?;
+    let p = positions(&[0], 0, 8, heads.hd)?;
+    // kv4 takes head dims 64 and 128 only.
+    let err = KvCache::new(
+        Arc::new(PackedKv::new(KvCodec::Kv4)),
+        heads,
+        8,
+        DType::F32,
+        &dev,
+    )
+    .append(&qkv, 0, &p)
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("head dim 32"), "{err}");
+    // A cache of the wrong record size or dtype.
+    let heads = Heads { hd: 64, ..heads };
+    let qkv = common::randn(1, &[1, 3, heads.qkv_width()], 1.0, DType::F32, &dev)?;
+    let p = positions(&[0], 0, 8, heads.hd)?;
+    let bad = Tensor::zeros((2, 1, 1, 8, 40), DType::U8, &dev)?;
+    let err = candle_lowbit::ops::kv_append(&bad, &qkv, heads, &p, KvCodec::Kv4, true)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("expected u8 [2, b, 1, max_len, 36]"), "{err}");
+    let bad = Tensor::zeros((2, 1, 1, 8, 36), DType::F32, &dev)?;
+    assert!(candle_lowbit::ops::kv_append(&bad, &qkv, heads, &p, KvCodec::Kv4, true).is_err());
+    // Past the capacity.
+    let mut c = KvCache::new(
+        Arc::new(PackedKv::new(KvCodec::Kv4)),
+        heads,
+        2,
+        DType::F32,
+        &dev,
+    );
+    let err = c.append(&qkv, 0, &p).unwrap_err().to_string();
+    assert!(err.contains("capacity of 2"), "{err}");
+    Ok(())
+}

@@ -13,15 +13,21 @@ use candle_core::{CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Result, Shap
 
 /// Shapes of a packed cache for `heads` under `codec`: `(b, max_len)`.
 fn packed_dims(cache: &Tensor, heads: Heads, codec: KvCodec) -> Result<(usize, usize)> {
+    if !codec.supports(heads.hd) {
+        candle_core::bail!(
+            "{} cache: head dim {} unsupported (kv4: 64 or 128; oaken: 32, 64 or 128)",
+            codec.name(),
+            heads.hd
+        )
+    }
     let (two, b, nkv, max_len, rec) = cache.dims5()?;
     if cache.dtype() != DType::U8
         || two != 2
         || nkv != heads.nkv
         || rec != codec.rec_bytes(heads.hd)
-        || !codec.supports(heads.hd)
     {
         candle_core::bail!(
-            "{} cache: got {:?} {:?}, expected u8 [2, b, {}, max_len, {}] (head dim {} unsupported or wrong)",
+            "{} cache: got {:?} {:?}, expected u8 [2, b, {}, max_len, {}] for head dim {}",
             codec.name(),
             cache.shape(),
             cache.dtype(),
