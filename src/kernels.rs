@@ -60,6 +60,17 @@ mod cuda {
         }
     }
 
+    /// The kernel-name suffix of a float dtype (`f32`, `f16`, `bf16`).
+    pub fn dtype_suffix(dt: candle_core::DType) -> Result<&'static str> {
+        use candle_core::DType;
+        Ok(match dt {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            dt => candle_core::bail!("unsupported dtype {dt:?} (f32, f16, bf16)"),
+        })
+    }
+
     /// Map a cudarc driver error into a candle error.
     pub fn launch_err(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
         candle_core::Error::wrap(e)

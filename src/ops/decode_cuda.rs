@@ -3,7 +3,8 @@
 
 use super::{Heads, StepPositions};
 use crate::kernels::{
-    contiguous_view, dptr, launch_params, launch_pdl, ptx, raw_ptr, with_positions, with_view, Arg,
+    contiguous_view, dptr, dtype_suffix as suffix, launch_params, launch_pdl, ptx, raw_ptr,
+    with_positions, with_view, Arg,
 };
 use crate::kv::oaken::KvThr;
 use crate::kv::KvCodec;
@@ -20,15 +21,6 @@ const ATTN_THREADS: u32 = 128;
 /// TC_STEP in cuda/decode_attention.cu).
 const TC_WARPS: usize = 4;
 const TC_STEP: usize = 16;
-
-fn suffix(dt: DType) -> Result<&'static str> {
-    Ok(match dt {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        dt => candle_core::bail!("unsupported dtype {dt:?} (f32, f16, bf16)"),
-    })
-}
 
 fn grid(x: usize, y: usize, z: usize, threads: u32, smem: u32) -> LaunchConfig {
     LaunchConfig {

@@ -1,7 +1,9 @@
 //! CUDA launchers of `cuda/kv_quant.cu`. Shapes and dtypes are validated in `kv_quant.rs`.
 
 use super::{Heads, StepPositions};
-use crate::kernels::{contiguous_view, launch_params, ptx, raw_ptr, with_positions};
+use crate::kernels::{
+    contiguous_view, dtype_suffix as suffix, launch_params, ptx, raw_ptr, with_positions,
+};
 use crate::kv::oaken::KvThr;
 use crate::kv::KvCodec;
 use candle_core::backend::BackendStorage;
@@ -9,15 +11,6 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{DType, Layout, Result, WithDType};
 use half::{bf16, f16};
-
-fn suffix(dt: DType) -> Result<&'static str> {
-    Ok(match dt {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        dt => candle_core::bail!("unsupported dtype {dt:?} (f32, f16, bf16)"),
-    })
-}
 
 /// `AppendParams` of `cuda/kv_quant.cu`.
 #[repr(C)]
