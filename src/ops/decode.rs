@@ -113,6 +113,16 @@ pub(crate) fn cpu_f32(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
     })
 }
 
+/// The inverse of [`cpu_f32`]: f32 values as a CPU storage of `dt` (f16 / bf16 rounded to
+/// nearest; any other dtype stays f32).
+pub(crate) fn cpu_storage_as(out: Vec<f32>, dt: DType) -> CpuStorage {
+    match dt {
+        DType::F16 => CpuStorage::F16(out.into_iter().map(half::f16::from_f32).collect()),
+        DType::BF16 => CpuStorage::BF16(out.into_iter().map(half::bf16::from_f32).collect()),
+        _ => CpuStorage::F32(out),
+    }
+}
+
 fn f<T: WithDType>(x: T) -> f32 {
     x.to_f64() as f32
 }
@@ -707,11 +717,7 @@ impl CustomOp2 for DecodeAttention {
                 }
             }
         }
-        let out = match s1.dtype() {
-            DType::F16 => CpuStorage::F16(out.into_iter().map(half::f16::from_f32).collect()),
-            DType::BF16 => CpuStorage::BF16(out.into_iter().map(half::bf16::from_f32).collect()),
-            _ => CpuStorage::F32(out),
-        };
+        let out = cpu_storage_as(out, s1.dtype());
         Ok((
             out,
             Shape::from((dims[1], 1, self.heads.nh * self.heads.hd)),

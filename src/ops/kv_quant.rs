@@ -223,12 +223,7 @@ impl CustomOp1 for KvDequantize {
             }
         }
         let shape = Shape::from((2, b, nkv, len, hd));
-        let st = match self.dtype {
-            DType::F16 => CpuStorage::F16(out.into_iter().map(half::f16::from_f32).collect()),
-            DType::BF16 => CpuStorage::BF16(out.into_iter().map(half::bf16::from_f32).collect()),
-            _ => CpuStorage::F32(out),
-        };
-        Ok((st, shape))
+        Ok((super::decode::cpu_storage_as(out, self.dtype), shape))
     }
 
     #[cfg(feature = "cuda")]
