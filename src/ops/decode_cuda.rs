@@ -14,8 +14,10 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{DType, Layout, Result, Tensor, WithDType};
 use half::{bf16, f16};
 
-/// Threads per block of `attn_decode` (ATTN_THREADS in its header).
+/// Threads per block of `attn_decode` (ATTN_THREADS in its header), and chunks of loads in
+/// flight per lane (`UNROLL` of every encoding the generic kernel reads, kv_codec.cuh).
 const ATTN_THREADS: u32 = 128;
+const ATTN_UNROLL: usize = 4;
 
 /// Warps per block and keys per warp step of the tensor-core kv4 kernel (TC_WARPS,
 /// TC_STEP in cuda/decode_attention.cu).
@@ -312,16 +314,12 @@ pub(super) fn decode_attention(
         let Heads { nh, nkv, hd } = heads;
         let g = nh / nkv;
         // kv4 runs on the tensor-core kernel (keys in steps of TC_STEP per warp); the others
-        // on the generic one, in chunks of EPL values per lane with UNROLL chunks in flight
-        // (EPL, UNROLL of the encoding in cuda/kv_codec.cuh).
+        // on the generic one, in chunks of EPL values per lane with ATTN_UNROLL chunks in
+        // flight (EPL, UNROLL of the encoding in cuda/kv_codec.cuh).
         let tc = matches!(codec, Some(KvCodec::Kv4));
-        let (epl, unroll, rec) = match codec {
-            None => (
-                16 / T::DTYPE.size_in_bytes(),
-                4,
-                hd * T::DTYPE.size_in_bytes(),
-            ),
-            Some(c) => (8, 4, c.rec_bytes(hd)),
+        let (epl, rec) = match codec {
+            None => (16 / T::DTYPE.size_in_bytes(), hd * T::DTYPE.size_in_bytes()),
+            Some(c) => (8, c.rec_bytes(hd)),
         };
         if tc && !matches!(hd, 64 | 128) {
             candle_core::bail!("decode_attention: kv4 needs head dim 64 or 128, got {hd}")
@@ -329,7 +327,7 @@ pub(super) fn decode_attention(
         let batch_rows = if tc {
             TC_WARPS * TC_STEP
         } else {
-            (ATTN_THREADS as usize / (hd / epl)) * unroll
+            (ATTN_THREADS as usize / (hd / epl)) * ATTN_UNROLL
         };
         let chunk = match (tc, tc_long_chunk()) {
             (true, Some(c)) if max_len > 8192 => c,
