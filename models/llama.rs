@@ -115,9 +115,12 @@ impl Attention {
         layer: usize,
         obs: &mut dyn Observer,
     ) -> Result<Tensor> {
-        let (b, seq, _) = x.dense()?.dims3()?;
+        let (b, seq, _) = x.dims3()?;
         let (n_h, hd) = (self.n_h, self.hd);
-        obs.linear_input(layer, Slot::Qkv, x.dense()?)?;
+        // Observers see dense inputs (calibration runs blocks before they are quantized).
+        if let Activation::Dense(d) = x {
+            obs.linear_input(layer, Slot::Qkv, d)?;
+        }
         let qkv = self.qkv.forward_act(x)?;
         self.observe_kv(&qkv, ctx, layer, obs)?;
         let fused = match seq {
@@ -151,10 +154,16 @@ struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Activation, layer: usize, obs: &mut dyn Observer) -> Result<Tensor> {
-        obs.linear_input(layer, Slot::GateUp, x.dense()?)?;
-        let h = self.gate_up.forward_silu_mul(x.dense()?)?;
-        obs.linear_input(layer, Slot::Down, &h)?;
-        self.down.forward(&h)
+        if let Activation::Dense(d) = x {
+            obs.linear_input(layer, Slot::GateUp, d)?;
+        }
+        let h = self
+            .gate_up
+            .forward_silu_mul_as(x, &self.down.input_encoding())?;
+        if let Activation::Dense(d) = &h {
+            obs.linear_input(layer, Slot::Down, d)?;
+        }
+        self.down.forward_act(&h)
     }
 }
 

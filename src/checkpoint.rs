@@ -148,6 +148,12 @@ fn stored_layers(model: &Llama, cfg: &Config) -> Result<Vec<StoredLayer>> {
     Ok(v)
 }
 
+/// Fields named `input.*` describe a layer's input (a W4A4 layer's channel permutation),
+/// not its rows: every part stacked on that input stores them whole, and loading keeps one.
+fn is_input_field(field: &str) -> bool {
+    field.starts_with("input.")
+}
+
 /// What [`save`] needs besides the model.
 pub struct SaveInfo<'a> {
     pub config: &'a Config,
@@ -179,6 +185,11 @@ pub fn save(model: &Llama, dir: &Path, info: &SaveInfo) -> Result<Manifest> {
         let mut row = 0;
         for (part, rows) in &parts {
             for (field, t) in &fields {
+                if is_input_field(field) {
+                    // A property of the layer's input: whole in every part.
+                    tensors.push((format!("{part}.{field}"), t.to_device(&Device::Cpu)?));
+                    continue;
+                }
                 if t.dim(0)? != lin.shape().0 {
                     candle_core::bail!(
                         "{part}: field {field} {:?} does not have the layer's rows first",
@@ -330,7 +341,15 @@ impl Checkpoint {
             let t = view
                 .load(&Device::Cpu)
                 .map_err(|e| err(&file, format!("tensor '{name}': {e}")))?;
-            if let Some((layer, field)) = name.rsplit_once('.') {
+            // `{part}.{field}`, where a field may be `input.{name}` (see `is_input_field`).
+            let split = match name.rsplit_once('.') {
+                Some((head, last)) => match head.rsplit_once('.') {
+                    Some((part, "input")) => Some((part, &name[part.len() + 1..])),
+                    _ => Some((head, last)),
+                },
+                None => None,
+            };
+            if let Some((layer, field)) = split {
                 fields
                     .entry(layer.to_string())
                     .or_default()
@@ -437,6 +456,26 @@ impl WeightSource for Checkpoint {
             }
             format = Some(f);
             for (field, t) in self.fields(part)? {
+                if is_input_field(&field) {
+                    // Shared by the parts stacked on one input: keep the first, check the rest.
+                    match stacked.get(&field).and_then(|v| v.first()) {
+                        Some(first) if first.dims() != t.dims() => {
+                            return Err(err(
+                                &self.file,
+                                format!(
+                                    "tensor '{part}.{field}' is {:?}, the part before it has {:?}",
+                                    t.dims(),
+                                    first.dims()
+                                ),
+                            ))
+                        }
+                        Some(_) => {}
+                        None => {
+                            stacked.insert(field, vec![t]);
+                        }
+                    }
+                    continue;
+                }
                 if t.dims().first() != Some(rows) {
                     return Err(err(
                         &self.file,

@@ -228,9 +228,32 @@ impl QLinear {
         }
     }
 
-    /// `forward` of an input in whatever encoding this layer asked for.
+    /// `forward` of an input in whatever encoding this layer asked for (a dense input is
+    /// always taken: a quantizing format quantizes it first).
     pub fn forward_act(&self, x: &Activation) -> Result<Tensor> {
-        self.forward(x.dense()?)
+        match x {
+            Activation::Dense(t) => self.forward(t),
+            Activation::W4a4(a) => self.add_bias(self.w.forward_quantized(a, a.dtype)?),
+        }
+    }
+
+    /// A gate/up layer's `silu(gate) · up` in the encoding the next projection reads
+    /// (`next`): the fused epilogue for a dense one, the SiLU·mul fused into the W4A4
+    /// activation quantizer for a W4A4 one.
+    pub fn forward_silu_mul_as(&self, x: &Activation, next: &InputEncoding) -> Result<Activation> {
+        match (next, x) {
+            (InputEncoding::Dense, Activation::Dense(t)) => {
+                Ok(Activation::Dense(self.forward_silu_mul(t)?))
+            }
+            (InputEncoding::Dense, _) => Ok(Activation::Dense(crate::ops::silu_mul(
+                &self.forward_act(x)?,
+            )?)),
+            (InputEncoding::W4a4(spec), _) => {
+                let gu = self.forward_act(x)?;
+                let src = crate::ops::ActSource::SiluMul(&gu);
+                Ok(Activation::W4a4(crate::ops::w4a4_quantize(src, spec)?.1))
+            }
+        }
     }
 }
 

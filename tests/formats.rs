@@ -27,9 +27,10 @@ fn registry_names_parse_and_say_what_they_need() -> Result<()> {
             assert_eq!(a.parse::<WeightFormat>()?, *f, "alias {a}");
         }
         assert!(s.error_bound > 0.0 && s.tolerance > 0.0, "{}", s.name);
+        // GPTQ formats, and the W4A4 formats that rank channels by calibration.
         assert_eq!(
             f.needs_calibration(),
-            s.name.ends_with("-gptq"),
+            s.name.ends_with("-gptq") || ["w4a4", "fmpq"].contains(&s.name),
             "{}",
             s.name
         );
@@ -309,7 +310,10 @@ fn every_format_round_trips_its_tensors() -> Result<()> {
     for &f in WeightFormat::ALL {
         let q = dense.quantize_with(f, Some(&h), &Default::default())?;
         let tensors = q.weights().tensors()?;
-        for (name, t) in &tensors {
+        for (name, t) in tensors
+            .iter()
+            .filter(|(name, _)| !name.starts_with("input."))
+        {
             assert_eq!(t.dim(0)?, n, "{f}: field {name} must have the rows first");
         }
         let map = tensors.iter().cloned().collect();

@@ -71,7 +71,8 @@ impl Prototypes {
         }
         let t0 = std::time::Instant::now();
         let opts = candle_lowbit::formats::QuantOptions::default();
-        let drawn = match self.direct {
+        // Formats that need calibration are drawn at random here (speed rows only).
+        let drawn = match self.direct || format.needs_calibration() {
             true => {
                 format
                     .spec()

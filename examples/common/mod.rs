@@ -123,6 +123,23 @@ pub struct CalibArgs {
     #[arg(long, default_value_t = candle_lowbit::formats::w2416::DEFAULT_OUTLIERS)]
     pub outliers: f64,
 
+    /// w4a4: INT8 outlier channels per layer (rounded so the rest is whole blocks of 128).
+    #[arg(long, default_value_t = 128)]
+    pub w4a4_outliers: usize,
+
+    /// fmpq: a channel holds outliers when its calibration RMS is this many times the
+    /// median channel's; blocks holding them run INT8.
+    #[arg(long, default_value_t = 4.0)]
+    pub fmpq_ratio: f32,
+
+    /// fmpq: at most this fraction of a layer's activation blocks are INT8.
+    #[arg(long, default_value_t = 0.2)]
+    pub fmpq_max_int8: f64,
+
+    /// w4a4, fmpq: clip ratio of the INT4 activation blocks (of the absmax).
+    #[arg(long, default_value_t = 0.9)]
+    pub act_clip: f32,
+
     /// oaken KV cache: fraction of the values in the outer group (thresholds at the
     /// outer/2 and 1 - outer/2 quantiles).
     #[arg(long, default_value_t = 0.04)]
@@ -145,6 +162,12 @@ impl CalibArgs {
             w2416: candle_lowbit::formats::w2416::W2416Config {
                 bits: self.bits,
                 outliers: self.outliers,
+            },
+            w4a4: candle_lowbit::formats::w4a4::W4a4Config {
+                outliers: self.w4a4_outliers,
+                fmpq_ratio: self.fmpq_ratio,
+                fmpq_max_int8: self.fmpq_max_int8,
+                act_clip: self.act_clip,
             },
         }
     }

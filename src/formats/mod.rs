@@ -26,6 +26,7 @@ pub mod dense;
 pub mod ggml;
 pub mod uniform;
 pub mod w2416;
+pub mod w4a4;
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -82,6 +83,8 @@ pub struct QuantOptions {
     pub gptq: crate::gptq::GptqConfig,
     /// `w2416`'s budget and outlier fraction.
     pub w2416: w2416::W2416Config,
+    /// The W4A4 formats' outliers and activation clipping.
+    pub w4a4: w4a4::W4a4Config,
 }
 
 /// How a format turns weights into its encoding and back.
@@ -168,15 +171,16 @@ impl Plan {
     }
 }
 
-/// What a projection reads. Every format so far reads dense activations; a format that
-/// reads an already quantized input (W4A4) adds its encoding here, and the norms and
-/// epilogues that produce it dispatch on [`InputEncoding`] inside `ops`, so the model
-/// keeps one code path.
+/// What a projection reads: dense activations, or activations a norm or an epilogue has
+/// already quantized for it (W4A4). The norms and epilogues that produce them dispatch on
+/// [`InputEncoding`] inside `ops`, so the model keeps one code path.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Activation {
     /// `[.., k]` in the run dtype.
     Dense(Tensor),
+    /// Codes and scales for a W4A4 projection (`[.., k]` logically).
+    W4a4(w4a4::QuantAct),
 }
 
 impl Activation {
@@ -184,15 +188,38 @@ impl Activation {
     pub fn dense(&self) -> Result<&Tensor> {
         match self {
             Self::Dense(t) => Ok(t),
+            Self::W4a4(q) => candle_core::bail!(
+                "expected dense activations, got W4A4 codes {:?} (a projection that reads them \
+                 takes `QLinear::forward_act`)",
+                q.dims
+            ),
+        }
+    }
+
+    /// The logical shape `[.., k]`.
+    pub fn dims(&self) -> &[usize] {
+        match self {
+            Self::Dense(t) => t.dims(),
+            Self::W4a4(q) => &q.dims,
+        }
+    }
+
+    /// The logical shape as `(b, seq, k)`.
+    pub fn dims3(&self) -> Result<(usize, usize, usize)> {
+        match *self.dims() {
+            [b, s, k] => Ok((b, s, k)),
+            ref d => candle_core::bail!("expected activations [b, seq, k], got {d:?}"),
         }
     }
 }
 
 /// The input encoding a projection asks for (the model asks once, at load).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum InputEncoding {
     Dense,
+    /// Quantized by this activation quantizer (`src/formats/w4a4.rs`).
+    W4a4(std::sync::Arc<w4a4::ActSpec>),
 }
 
 /// A format's packed weights for one linear layer `y = x · Wᵀ`, `W` `[n, k]`.
@@ -235,8 +262,21 @@ pub trait LinearWeights: std::fmt::Debug + Send + Sync {
         InputEncoding::Dense
     }
 
+    /// `forward` of activations already quantized for this layer (formats whose
+    /// [`LinearWeights::input_encoding`] is not dense), output `[m, n]` in `dtype`.
+    fn forward_quantized(&self, a: &w4a4::QuantAct, dtype: DType) -> Result<Tensor> {
+        let _ = dtype;
+        candle_core::bail!(
+            "{}: this format reads dense activations, got W4A4 codes {:?}",
+            self.format(),
+            a.dims
+        )
+    }
+
     /// Every tensor of the encoding by field name, each with the `n` rows along dim 0 (the
-    /// checkpoint's content; [`Codec::rebuild`] reads it back).
+    /// checkpoint's content; [`Codec::rebuild`] reads it back) — except fields named
+    /// `input.*`, which describe the layer's input and are the same for every layer
+    /// stacked on it (kept whole, stored once per part).
     fn tensors(&self) -> Result<Vec<(String, Tensor)>>;
 }
 
@@ -283,6 +323,10 @@ registry! {
     /// 2/4-bit tiles with sparse f16 outliers (arXiv 2311.16442).
     W2416 => w2416::W2416,
     W2416Gptq => w2416::W2416_GPTQ,
+    /// W4A4 on INT8 tensor cores: Atom, COMET's FMPQ, and the round-to-nearest baseline.
+    W4a4 => w4a4::W4A4,
+    Fmpq => w4a4::FMPQ,
+    W4a4Rtn => w4a4::W4A4_RTN,
 }
 
 impl WeightFormat {

@@ -8,6 +8,9 @@ mod rms_norm;
 mod stream_read;
 mod tiles;
 mod uniform;
+mod w4a4;
+#[cfg(feature = "cuda")]
+mod w4a4_cuda;
 
 pub use decode::{
     advance_pos, append_decode_attention, decode_attention, embed_gather, rope_kv_append, silu_mul,
@@ -19,6 +22,7 @@ pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
 pub use tiles::{tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_MAX_M};
 pub use uniform::{uniform_dequantize, uniform_pack};
+pub use w4a4::{tensor_bytes, w4a4_matmul, w4a4_quantize, ActSource, W4A4_SKINNY_MAX_M};
 
 /// The elements of a contiguous CPU tensor (the CPU references' input), or an error naming
 /// `what` and its layout.

@@ -223,6 +223,14 @@ pub fn add_rms_norm_as(
             let (sum, norm) = add_rms_norm(x, res, w, eps)?;
             Ok((sum, Activation::Dense(norm)))
         }
+        InputEncoding::W4a4(spec) => {
+            let src = super::ActSource::AddRmsNorm { x, res, w, eps };
+            let (sum, act) = super::w4a4_quantize(src, &spec)?;
+            let Some(sum) = sum else {
+                candle_core::bail!("add_rms_norm_as: the W4A4 quantizer returned no residual")
+            };
+            Ok((sum, Activation::W4a4(act)))
+        }
     }
 }
 
@@ -230,5 +238,9 @@ pub fn add_rms_norm_as(
 pub fn rms_norm_as(x: &Tensor, w: &Tensor, eps: f32, enc: InputEncoding) -> Result<Activation> {
     match enc {
         InputEncoding::Dense => Ok(Activation::Dense(candle_nn::ops::rms_norm(x, w, eps)?)),
+        InputEncoding::W4a4(spec) => {
+            let src = super::ActSource::RmsNorm { x, w, eps };
+            Ok(Activation::W4a4(super::w4a4_quantize(src, &spec)?.1))
+        }
     }
 }

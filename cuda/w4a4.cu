@@ -1,0 +1,539 @@
+// W4A4 on INT8 tensor cores: the activation quantizer (fused with the op before the
+// matmul) and the GEMMs of `w4a4`, `fmpq` and `w4a4-rtn` (src/formats/w4a4.rs holds the
+// formats and their CPU references; src/ops/w4a4.rs the launchers).
+//
+// Hopper runs `mma.sync .s4` emulated (50 TOPS, DESIGN.md §3), so 4-bit codes are stored
+// packed and multiplied on INT8 tensor cores (`mma.sync.m16n8k32.s8.s8`).
+//
+// Blocks: k (a multiple of 32) is cut into blocks of 128 columns, the last one shorter
+// (k = 576: four of 128 and one of 64). Block b spans [128 b, min(128 b + 128, k)); it is
+// a *tail* block when 128 b >= kn (kn, a multiple of 128, ends the 4-bit activation
+// region: activations of tail blocks are INT8, of the others INT4).
+//
+// Byte layouts (all row-major, contiguous):
+//
+//   activation  u8 [m, k]   signed codes, one per byte, in the layer's channel order
+//                           (after its permutation): INT4 values in [-8, 7], INT8 in
+//                           [-128, 127]. One byte per INT4 code on purpose: the multiply
+//                           runs on INT8 operands, and the tensor is transient.
+//               f32 [m, nb] scale of each (token, block): x ~ code * scale.
+//               Both live in one buffer: codes first (m k bytes), then the scales.
+//   w4          u8 [n, k4/2] 4-bit weight codes of columns [0, k4) (k4 = k - k8w), block
+//                           by block; inside block b (nc = width / 32 chunks of 32
+//                           columns, c0 = 128 b + 32 s for chunk s) the row's 16 nc bytes
+//                           are nc u32 words per thread slot t (0..3), ordered [t][s]:
+//
+//                 word (t, s), byte j (0..3) = (q[c0 + 4t + j] << 4) | (q[c0 + 16 + 4t + j] & 0xF)
+//
+//                           so `word & 0xF0F0F0F0` is the m16n8k32 B fragment b0 of
+//                           lane (row, t) and `(word << 4) & 0xF0F0F0F0` is b1, each byte
+//                           16 times its code (COMET's trick: two instructions for eight
+//                           codes; the x16 is taken out with the scale).
+//   w8          u8 [n, k8w] 8-bit weight codes of the tail columns [k4, k) (`w4a4` only:
+//                           its outlier channels), block by block, inside a block ordered
+//                           [t][s][8 bytes]: bytes 0..3 = q[c0 + 4t + j], 4..7 =
+//                           q[c0 + 16 + 4t + j] (b0 then b1).
+//   sw          f16 [n, nb] weight scale of each (row, block).
+//   y           T [m, n]    y[i, r] = sum_b sa[i, b] sw[r, b] sum_{c in b} qa[i, c] qw[r, c]
+//                           (the integer sum exact in int32, the scaling in f32 per block,
+//                           then one rounding to T).
+//
+// Kernels (T in f32, f16, bf16):
+//   w4a4_quant_T   one block per token: (add +) RMSNorm, SiLU·mul or nothing, gather
+//                  through the permutation, absmax per block (or per row), codes + scales.
+//   w4a4_skinny_T_mMT  m <= 16 MT: a block per 8 weight rows, its warps split the k
+//                  blocks; weights read straight from global (16-byte loads), the next
+//                  block's codes in flight while the current one multiplies.
+//   w4a4_gemm_T    large m: 128 x 128 tiles, 8 warps (64 x 32 each), one k block per
+//                  pipeline stage (3 stages of cp.async), ldmatrix on swizzled
+//                  activations, int32 per block rescaled into f32 accumulators.
+// Launched with programmatic dependent launch (pdl_wait before reading what an earlier
+// kernel wrote).
+#include "common.cuh"
+
+using namespace lowbit;
+
+namespace {
+
+// Mirrors `W4a4Params` in src/ops/w4a4.rs (repr(C)).
+struct GemmParams {
+    const uint8_t* act;   // codes [m, k], then f32 scales [m, nb]
+    const uint8_t* w4;    // [n, k4 / 2]
+    const uint8_t* w8;    // [n, k8w] (null when k8w == 0)
+    const __half* sw;     // [n, nb]
+    void* y;              // [m, n] T
+    int m, n, k, kn, k8w, nb;
+};
+
+// Mirrors `QuantParams` in src/ops/w4a4.rs (repr(C)).
+struct QuantParams {
+    const void* x;          // [m, k] (mode 3: [m, 2k], gate then up)
+    const void* res;        // mode 2: [m, k]
+    const void* gamma;      // modes 1, 2: [k]
+    const uint32_t* perm;   // [k] (output channel j reads input channel perm[j]) or null
+    void* sum;              // mode 2: [m, k] T, x + res
+    uint8_t* act;           // codes [m, k], then f32 scales [m, nb]
+    int m, k, kn, nb;
+    int mode;               // 0 plain, 1 RMSNorm, 2 add + RMSNorm, 3 SiLU·mul
+    int per_token;          // one absmax per row (replicated into every block's scale)
+    float eps, clip4, clip8;
+};
+
+__device__ __forceinline__ void block_span(int b, int k, int& start, int& nc) {
+    start = b * 128;
+    nc = min(128, k - start) >> 5;
+}
+
+__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---------------------------------------------------------------------------------------
+// Activation quantizer.
+
+template <typename T>
+__device__ __forceinline__ float quant_value(const QuantParams& p, const T* x, const T* s,
+                                             const T* gamma, int row, int c, float inv) {
+    switch (p.mode) {
+        case 0:
+            return to_f32(x[(size_t)row * p.k + c]);
+        case 1:
+            return to_f32(from_f32<T>(to_f32(x[(size_t)row * p.k + c]) * inv * to_f32(gamma[c])));
+        case 2:
+            return to_f32(from_f32<T>(to_f32(s[(size_t)row * p.k + c]) * inv * to_f32(gamma[c])));
+        default: {
+            const float g = to_f32(x[(size_t)row * 2 * p.k + c]);
+            const float u = to_f32(x[(size_t)row * 2 * p.k + p.k + c]);
+            const float sg = to_f32(from_f32<T>(g / (1.f + __expf(-g))));
+            return to_f32(from_f32<T>(sg * u));
+        }
+    }
+}
+
+template <typename T>
+__device__ void w4a4_quant(const QuantParams& p) {
+    __shared__ float sh[32];
+    pdl_trigger();
+    pdl_wait();
+    const int row = blockIdx.x;
+    const T* x = static_cast<const T*>(p.x);
+    const T* res = static_cast<const T*>(p.res);
+    const T* gamma = static_cast<const T*>(p.gamma);
+    T* sum = static_cast<T*>(p.sum);
+    float inv = 0.f;
+    if (p.mode == 1 || p.mode == 2) {
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < p.k; c += blockDim.x) {
+            const size_t i = (size_t)row * p.k + c;
+            float v = to_f32(x[i]);
+            if (p.mode == 2) {
+                const T s = from_f32<T>(v + to_f32(res[i]));
+                sum[i] = s;
+                v = to_f32(s);
+            }
+            ss += v * v;
+        }
+        ss = block_sum(ss, sh);  // its barriers also make `sum` visible to the block
+        inv = rsqrtf(ss / (float)p.k + p.eps);
+    }
+    const T* s = sum;
+    float row_max = 0.f;
+    if (p.per_token) {
+        for (int c = threadIdx.x; c < p.k; c += blockDim.x)
+            row_max = fmaxf(row_max, fabsf(quant_value<T>(p, x, s, gamma, row, c, inv)));
+        row_max = block_max(row_max, sh);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    uint8_t* codes = p.act + (size_t)row * p.k;
+    float* scales = reinterpret_cast<float*>(p.act + (size_t)p.m * p.k) + (size_t)row * p.nb;
+    for (int b = warp; b < p.nb; b += warps) {
+        int start, nc;
+        block_span(b, p.k, start, nc);
+        float v[4];
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[i] = 0.f;
+            if (i < nc) {
+                const int j = start + 32 * i + lane;
+                const int c = p.perm ? (int)p.perm[j] : j;
+                v[i] = quant_value<T>(p, x, s, gamma, row, c, inv);
+                amax = fmaxf(amax, fabsf(v[i]));
+            }
+        }
+        amax = p.per_token ? row_max : warp_max(amax);
+        const bool tail = start >= p.kn;
+        const float qmax = tail ? 127.f : 7.f;
+        const float scale = __fdiv_rn(__fmul_rn(tail ? p.clip8 : p.clip4, amax), qmax);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (i < nc) {
+                float q = scale > 0.f ? rintf(__fdiv_rn(v[i], scale)) : 0.f;
+                q = fminf(fmaxf(q, -qmax - 1.f), qmax);
+                codes[start + 32 * i + lane] = (uint8_t)(int8_t)(int)q;
+            }
+        }
+        if (lane == 0) scales[b] = scale;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Skinny GEMM (decode sizes).
+
+#define SKINNY_WARPS 4
+
+// The B fragments of chunk s of lane (row, t)'s block: from 4-bit words, or 8-bit bytes.
+struct BFrag {
+    uint32_t w[8];  // 4-bit: w[s] for s < nc; 8-bit: w[2s], w[2s + 1]
+};
+
+__device__ __forceinline__ void load_b(const GemmParams& p, int row, int t, int start, int nc,
+                                       bool w8, BFrag& f) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f.w[i] = 0u;
+    if (row >= p.n) return;
+    if (!w8) {
+        const int k4 = p.k - p.k8w;
+        const uint8_t* src = p.w4 + (size_t)row * (k4 / 2) + start / 2 + t * nc * 4;
+        if (nc == 4) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
+            f.w[0] = v.x; f.w[1] = v.y; f.w[2] = v.z; f.w[3] = v.w;
+        } else {
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+                if (s < nc) f.w[s] = __ldg(reinterpret_cast<const uint32_t*>(src) + s);
+        }
+    } else {
+        const int k4 = p.k - p.k8w;
+        const uint8_t* src = p.w8 + (size_t)row * p.k8w + (start - k4) + t * nc * 8;
+        if (nc == 4) {
+            const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(src));
+            const uint4 v1 = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+            f.w[0] = v0.x; f.w[1] = v0.y; f.w[2] = v0.z; f.w[3] = v0.w;
+            f.w[4] = v1.x; f.w[5] = v1.y; f.w[6] = v1.z; f.w[7] = v1.w;
+        } else {
+#pragma unroll
+            for (int s = 0; s < 8; ++s)
+                if (s < 2 * nc) f.w[s] = __ldg(reinterpret_cast<const uint32_t*>(src) + s);
+        }
+    }
+}
+
+__device__ __forceinline__ void b_regs(const BFrag& f, int s, bool w8, uint32_t& b0, uint32_t& b1) {
+    if (!w8) {
+        b0 = f.w[s] & 0xF0F0F0F0u;
+        b1 = (f.w[s] << 4) & 0xF0F0F0F0u;
+    } else {
+        b0 = f.w[2 * s];
+        b1 = f.w[2 * s + 1];
+    }
+}
+
+template <typename T, int MT>
+__device__ void w4a4_skinny(const GemmParams& p) {
+    __shared__ float red[SKINNY_WARPS][MT * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 8;
+    const int k4 = p.k - p.k8w;
+    const float* sa = reinterpret_cast<const float*>(p.act + (size_t)p.m * p.k);
+    pdl_trigger();
+    float acc[MT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+    // Weights are never written by a kernel: the first block's codes load before pdl_wait.
+    int b = warp;
+    BFrag cur, nxt;
+    int start = 0, nc = 0;
+    if (b < p.nb) {
+        block_span(b, p.k, start, nc);
+        load_b(p, row0 + g, t, start, nc, start >= k4, cur);
+    }
+    pdl_wait();
+    for (; b < p.nb; b += SKINNY_WARPS) {
+        const bool w8 = start >= k4;
+        const int bn = b + SKINNY_WARPS;
+        int nstart = 0, nnc = 0;
+        if (bn < p.nb) {
+            block_span(bn, p.k, nstart, nnc);
+            load_b(p, row0 + g, t, nstart, nnc, nstart >= k4, nxt);
+        }
+        int ci[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) ci[i][j] = 0;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            if (s < nc) {
+                uint32_t b0, b1;
+                b_regs(cur, s, w8, b0, b1);
+                const int col = start + 32 * s + 4 * t;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const int r0 = mt * 16 + g, r1 = r0 + 8;
+                    uint32_t a[4];
+                    a[0] = r0 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r0 * p.k + col) : 0u;
+                    a[1] = r1 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r1 * p.k + col) : 0u;
+                    a[2] = r0 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r0 * p.k + col + 16) : 0u;
+                    a[3] = r1 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r1 * p.k + col + 16) : 0u;
+                    mma_s8(ci[mt], a, b0, b1);
+                }
+            }
+        }
+        const float f = w8 ? 1.f : 0.0625f;
+        const int c0 = row0 + 2 * t, c1 = c0 + 1;
+        const float w0 = c0 < p.n ? __half2float(p.sw[(size_t)c0 * p.nb + b]) * f : 0.f;
+        const float w1 = c1 < p.n ? __half2float(p.sw[(size_t)c1 * p.nb + b]) * f : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int r0 = mt * 16 + g, r1 = r0 + 8;
+            const float a0 = r0 < p.m ? sa[(size_t)r0 * p.nb + b] : 0.f;
+            const float a1 = r1 < p.m ? sa[(size_t)r1 * p.nb + b] : 0.f;
+            acc[mt][0] += (float)ci[mt][0] * (a0 * w0);
+            acc[mt][1] += (float)ci[mt][1] * (a0 * w1);
+            acc[mt][2] += (float)ci[mt][2] * (a1 * w0);
+            acc[mt][3] += (float)ci[mt][3] * (a1 * w1);
+        }
+        cur = nxt;
+        start = nstart;
+        nc = nnc;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) red[warp][mt * 4 + j][lane] = acc[mt][j];
+    __syncthreads();
+    if (warp != 0) return;
+    T* y = static_cast<T*>(p.y);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < SKINNY_WARPS; ++w) v += red[w][mt * 4 + j][lane];
+            const int r = mt * 16 + g + (j >= 2 ? 8 : 0);
+            const int c = row0 + 2 * t + (j & 1);
+            if (r < p.m && c < p.n) y[(size_t)r * p.n + c] = from_f32<T>(v);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tiled GEMM (large m).
+
+#define GEMM_BM 128
+#define GEMM_BN 128
+#define GEMM_STAGES 3
+#define GEMM_A_BYTES (GEMM_BM * 128)   // 128 rows x 128 code bytes, swizzled
+#define GEMM_B_BYTES (GEMM_BN * 128)   // 128 rows x up to 128 bytes (8-bit tail)
+#define GEMM_STAGE_BYTES (GEMM_A_BYTES + GEMM_B_BYTES)
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// Block b's activation rows and weight rows into a stage. A: row r's 16-byte chunk c at
+// r * 128 + ((c ^ (r & 7)) * 16). B: the rows' bytes as stored (16 nc or 32 nc per row).
+__device__ __forceinline__ void gemm_load(const GemmParams& p, int b, uint8_t* stage, int m0,
+                                          int n0) {
+    int start, nc;
+    block_span(b, p.k, start, nc);
+    const int k4 = p.k - p.k8w;
+    const bool w8 = start >= k4;
+    uint8_t* sa = stage;
+    uint8_t* sb = stage + GEMM_A_BYTES;
+    const int a_chunks = 2 * nc;  // 16-byte chunks per activation row
+    for (int i = threadIdx.x; i < GEMM_BM * a_chunks; i += blockDim.x) {
+        const int r = i / a_chunks, c = i % a_chunks;
+        const int gr = m0 + r;
+        const bool ok = gr < p.m;
+        const uint8_t* src = p.act + (size_t)(ok ? gr : 0) * p.k + start + 16 * c;
+        cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), src, ok);
+    }
+    const int b_chunks = w8 ? 2 * nc : nc;
+    for (int i = threadIdx.x; i < GEMM_BN * b_chunks; i += blockDim.x) {
+        const int r = i / b_chunks, c = i % b_chunks;
+        const int gr = n0 + r;
+        const bool ok = gr < p.n;
+        const uint8_t* src = w8 ? p.w8 + (size_t)(ok ? gr : 0) * p.k8w + (start - k4) + 16 * c
+                                : p.w4 + (size_t)(ok ? gr : 0) * (k4 / 2) + start / 2 + 16 * c;
+        cp_async16(sb + r * (b_chunks * 16) + 16 * c, src, ok);
+    }
+}
+
+template <typename T>
+__device__ void w4a4_gemm(const GemmParams& p) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = warp & 1, wn = warp >> 1;  // 2 x 4 warps, each 64 x 32
+    const int m0 = blockIdx.y * GEMM_BM, n0 = blockIdx.x * GEMM_BN;
+    const int k4 = p.k - p.k8w;
+    const float* sact = reinterpret_cast<const float*>(p.act + (size_t)p.m * p.k);
+    pdl_trigger();
+    pdl_wait();
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; ++s) {
+        if (s < p.nb) gemm_load(p, s, smem + s * GEMM_STAGE_BYTES, m0, n0);
+        cp_async_commit();
+    }
+    for (int b = 0; b < p.nb; ++b) {
+        cp_async_wait<GEMM_STAGES - 2>();
+        __syncthreads();
+        {
+            const int bl = b + GEMM_STAGES - 1;
+            if (bl < p.nb) gemm_load(p, bl, smem + (bl % GEMM_STAGES) * GEMM_STAGE_BYTES, m0, n0);
+            cp_async_commit();
+        }
+        const uint8_t* sa = smem + (b % GEMM_STAGES) * GEMM_STAGE_BYTES;
+        const uint8_t* sb = sa + GEMM_A_BYTES;
+        int start, nc;
+        block_span(b, p.k, start, nc);
+        const bool w8 = start >= k4;
+
+        // Scales of this block, loaded early (they do not depend on the stage).
+        float a_s[4][2], w_s[4][2];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + wm * 64 + mt * 16 + g + 8 * h;
+                a_s[mt][h] = r < p.m ? sact[(size_t)r * p.nb + b] : 0.f;
+            }
+        const float f = w8 ? 1.f : 0.0625f;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = n0 + wn * 32 + nt * 8 + 2 * t + h;
+                w_s[nt][h] = c < p.n ? __half2float(p.sw[(size_t)c * p.nb + b]) * f : 0.f;
+            }
+
+        // B fragments for the whole block (one 16-byte read per n tile and 4-bit block).
+        BFrag bf[4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const int r = wn * 32 + nt * 8 + g;
+            const int rb = w8 ? 32 * nc : 16 * nc;
+            const uint8_t* src = sb + r * rb + t * (w8 ? 8 * nc : 4 * nc);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) bf[nt].w[i] = 0u;
+            if (nc == 4 && !w8) {
+                const uint4 v = *reinterpret_cast<const uint4*>(src);
+                bf[nt].w[0] = v.x; bf[nt].w[1] = v.y; bf[nt].w[2] = v.z; bf[nt].w[3] = v.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    if (i < (w8 ? 2 * nc : nc)) bf[nt].w[i] = reinterpret_cast<const uint32_t*>(src)[i];
+            }
+        }
+
+        int ci[4][4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) ci[i][j][e] = 0;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            if (s < nc) {
+                uint32_t a[4][4];
+#pragma unroll
+                for (int mt = 0; mt < 4; ++mt) {
+                    const int r = wm * 64 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    const int c = 2 * s + (lane >> 4);
+                    ldmatrix_x4(a[mt], sa + r * 128 + ((c ^ (r & 7)) << 4));
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    uint32_t b0, b1;
+                    b_regs(bf[nt], s, w8, b0, b1);
+#pragma unroll
+                    for (int mt = 0; mt < 4; ++mt) mma_s8(ci[mt][nt], a[mt], b0, b1);
+                }
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                acc[mt][nt][0] += (float)ci[mt][nt][0] * (a_s[mt][0] * w_s[nt][0]);
+                acc[mt][nt][1] += (float)ci[mt][nt][1] * (a_s[mt][0] * w_s[nt][1]);
+                acc[mt][nt][2] += (float)ci[mt][nt][2] * (a_s[mt][1] * w_s[nt][0]);
+                acc[mt][nt][3] += (float)ci[mt][nt][3] * (a_s[mt][1] * w_s[nt][1]);
+            }
+    }
+    cp_async_wait<0>();
+
+    T* y = static_cast<T*>(p.y);
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = m0 + wm * 64 + mt * 16 + g + (e >= 2 ? 8 : 0);
+                const int c = n0 + wn * 32 + nt * 8 + 2 * t + (e & 1);
+                if (r < p.m && c < p.n) y[(size_t)r * p.n + c] = from_f32<T>(acc[mt][nt][e]);
+            }
+}
+
+}  // namespace
+
+#define W4A4_KERNELS(SUF, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) w4a4_quant_##SUF(                      \
+        const __grid_constant__ QuantParams p) {                                              \
+        w4a4_quant<T>(p);                                                                     \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) w4a4_skinny_##SUF##_m1(                \
+        const __grid_constant__ GemmParams p) {                                               \
+        w4a4_skinny<T, 1>(p);                                                                 \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) w4a4_skinny_##SUF##_m2(                \
+        const __grid_constant__ GemmParams p) {                                               \
+        w4a4_skinny<T, 2>(p);                                                                 \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) w4a4_skinny_##SUF##_m4(                \
+        const __grid_constant__ GemmParams p) {                                               \
+        w4a4_skinny<T, 4>(p);                                                                 \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 1) w4a4_gemm_##SUF(                    \
+        const __grid_constant__ GemmParams p) {                                               \
+        w4a4_gemm<T>(p);                                                                      \
+    }
+
+W4A4_KERNELS(f32, float)
+W4A4_KERNELS(f16, __half)
+W4A4_KERNELS(bf16, __nv_bfloat16)

@@ -1,0 +1,420 @@
+//! The W4A4 ops (formats and CPU references: `src/formats/w4a4.rs`; kernels:
+//! `cuda/w4a4.cu`).
+//!
+//! - [`w4a4_quantize`]: activations into codes and scales for a W4A4 projection, fused with
+//!   the op before it ([`ActSource`]: add + RMSNorm, RMSNorm, SiLU·mul, or nothing) and the
+//!   layer's channel permutation. One launch.
+//! - [`w4a4_matmul`]: the INT8-MMA GEMM over those codes. One launch: a skinny kernel for
+//!   `m <=` [`W4A4_SKINNY_MAX_M`], 128 × 128 tiles above.
+//!
+//! On the CPU both run the format module's references.
+
+use super::contiguous_slice;
+use super::kv_quant::round_to;
+use crate::formats::w4a4::{matmul_ref, quantize_activations, ActSpec, QuantAct, W4a4Weights};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use std::sync::Arc;
+
+/// Largest `m` the skinny GEMM takes (above it, the tiled one).
+pub const W4A4_SKINNY_MAX_M: usize = 64;
+
+/// What [`w4a4_quantize`] quantizes: each `[.., k]` in f32/f16/bf16 (one dtype), `w` `[k]`.
+#[derive(Debug, Clone, Copy)]
+pub enum ActSource<'a> {
+    /// `x` as it is.
+    Plain(&'a Tensor),
+    /// `rmsnorm(x) · w`.
+    RmsNorm {
+        x: &'a Tensor,
+        w: &'a Tensor,
+        eps: f32,
+    },
+    /// `s = x + res` (rounded to the dtype, returned), then `rmsnorm(s) · w`.
+    AddRmsNorm {
+        x: &'a Tensor,
+        res: &'a Tensor,
+        w: &'a Tensor,
+        eps: f32,
+    },
+    /// `silu(gate) · up` of `gu` `[.., 2 k]` (gate then up), as `ops::silu_mul` rounds it.
+    SiluMul(&'a Tensor),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Plain = 0,
+    RmsNorm = 1,
+    AddRmsNorm = 2,
+    SiluMul = 3,
+}
+
+/// The raw bytes of a contiguous tensor of any dtype, on the CPU.
+pub fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
+    Ok(match t.dtype() {
+        DType::U8 => t.to_vec1::<u8>()?,
+        DType::U32 => t
+            .to_vec1::<u32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F32 => t
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        dt => candle_core::bail!("tensor_bytes: unsupported dtype {dt:?}"),
+    })
+}
+
+/// Quantize `src` for a projection reading `spec`. Returns the residual sum (for
+/// [`ActSource::AddRmsNorm`], shaped like `x`) and the codes.
+pub fn w4a4_quantize(src: ActSource, spec: &Arc<ActSpec>) -> Result<(Option<Tensor>, QuantAct)> {
+    let k = spec.k;
+    let (mode, x, res, w, eps) = match src {
+        ActSource::Plain(x) => (Mode::Plain, x, x, x, 0.0),
+        ActSource::RmsNorm { x, w, eps } => (Mode::RmsNorm, x, x, w, eps),
+        ActSource::AddRmsNorm { x, res, w, eps } => (Mode::AddRmsNorm, x, res, w, eps),
+        ActSource::SiluMul(gu) => (Mode::SiluMul, gu, gu, gu, 0.0),
+    };
+    let width = if mode == Mode::SiluMul { 2 * k } else { k };
+    let xk = x.dim(candle_core::D::Minus1)?;
+    if xk != width || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        candle_core::bail!(
+            "w4a4_quantize: input {:?} {:?} for a layer of in_dim {k} ({mode:?} wants [.., {width}] f32/f16/bf16)",
+            x.shape(),
+            x.dtype()
+        )
+    }
+    if mode == Mode::AddRmsNorm && (res.shape() != x.shape() || res.dtype() != x.dtype()) {
+        candle_core::bail!(
+            "w4a4_quantize: res {:?} {:?} does not match x {:?} {:?}",
+            res.shape(),
+            res.dtype(),
+            x.shape(),
+            x.dtype()
+        )
+    }
+    if matches!(mode, Mode::RmsNorm | Mode::AddRmsNorm)
+        && (w.dims() != [k] || w.dtype() != x.dtype())
+    {
+        candle_core::bail!(
+            "w4a4_quantize: norm weight {:?} {:?}, want [{k}] {:?}",
+            w.shape(),
+            w.dtype(),
+            x.dtype()
+        )
+    }
+    let m = x.elem_count() / width;
+    let mut dims = x.dims().to_vec();
+    if let Some(d) = dims.last_mut() {
+        *d = k;
+    }
+    let op = Quantize {
+        spec: spec.clone(),
+        mode,
+        m,
+        eps,
+    };
+    let x2 = x.reshape((m, width))?.contiguous()?;
+    let out = x2.apply_op3_no_bwd(
+        &res.flatten_all()?.contiguous()?,
+        &w.flatten_all()?.contiguous()?,
+        &op,
+    )?;
+    let sum_elems = if mode == Mode::AddRmsNorm { m * k } else { 0 };
+    let sum = match sum_elems {
+        0 => None,
+        n => Some(out.narrow(0, 0, n)?.reshape(dims.clone())?),
+    };
+    let rest = out.dim(0)? - sum_elems;
+    let act = QuantAct {
+        buf: out.narrow(0, sum_elems, rest)?,
+        m,
+        dims,
+        dtype: x.dtype(),
+        spec: spec.clone(),
+    };
+    Ok((sum, act))
+}
+
+struct Quantize {
+    spec: Arc<ActSpec>,
+    mode: Mode,
+    m: usize,
+    eps: f32,
+}
+
+impl Quantize {
+    /// Elements of the flat output: the sum (add mode) then the codes and scales.
+    fn out_len(&self, dt: DType) -> (usize, usize) {
+        let k = self.spec.k;
+        let sum = if self.mode == Mode::AddRmsNorm {
+            self.m * k
+        } else {
+            0
+        };
+        let bytes = QuantAct::bytes(self.m, k);
+        (sum, sum + bytes.div_ceil(dt.size_in_bytes()))
+    }
+
+    /// The CPU reference: values in the input's channel order (rounded as the kernels
+    /// round them), and the residual sum.
+    fn values(&self, x: &[f32], res: &[f32], w: &[f32], dt: DType) -> (Vec<f32>, Vec<f32>) {
+        let (m, k) = (self.m, self.spec.k);
+        let mut v = vec![0f32; m * k];
+        let mut sum = vec![];
+        for i in 0..m {
+            let row = &mut v[i * k..(i + 1) * k];
+            match self.mode {
+                Mode::Plain => row.copy_from_slice(&x[i * k..(i + 1) * k]),
+                Mode::SiluMul => {
+                    for c in 0..k {
+                        let (g, u) = (x[i * 2 * k + c], x[i * 2 * k + k + c]);
+                        let sg = round_to(g / (1. + (-g).exp()), dt);
+                        row[c] = round_to(sg * u, dt);
+                    }
+                }
+                Mode::RmsNorm | Mode::AddRmsNorm => {
+                    let s: Vec<f32> = (0..k)
+                        .map(|c| match self.mode {
+                            Mode::AddRmsNorm => round_to(x[i * k + c] + res[i * k + c], dt),
+                            _ => x[i * k + c],
+                        })
+                        .collect();
+                    let ss: f32 = s.iter().map(|v| v * v).sum();
+                    let inv = 1.0 / (ss / k as f32 + self.eps).sqrt();
+                    for c in 0..k {
+                        row[c] = round_to(s[c] * inv * w[c], dt);
+                    }
+                    if self.mode == Mode::AddRmsNorm {
+                        sum.extend_from_slice(&s);
+                    }
+                }
+            }
+        }
+        (v, sum)
+    }
+}
+
+fn to_f32_vec(s: &CpuStorage, l: &Layout, what: &str) -> Result<Vec<f32>> {
+    Ok(match s {
+        CpuStorage::F32(_) => contiguous_slice::<f32>(s, l, what)?.to_vec(),
+        CpuStorage::F16(_) => contiguous_slice::<half::f16>(s, l, what)?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+        CpuStorage::BF16(_) => contiguous_slice::<half::bf16>(s, l, what)?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+        _ => candle_core::bail!("{what}: unsupported dtype {:?}", s.dtype()),
+    })
+}
+
+/// A flat CPU storage of `dt` holding `vals` (each rounded to `dt`) then `bytes`
+/// (reinterpreted, zero-padded to whole elements).
+fn storage_of(dt: DType, vals: &[f32], bytes: &[u8]) -> Result<CpuStorage> {
+    let size = dt.size_in_bytes();
+    let mut b = bytes.to_vec();
+    b.resize(bytes.len().div_ceil(size) * size, 0);
+    Ok(match dt {
+        DType::F32 => CpuStorage::F32(
+            vals.iter()
+                .copied()
+                .chain(
+                    b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                )
+                .collect(),
+        ),
+        DType::F16 => CpuStorage::F16(
+            vals.iter()
+                .map(|&v| half::f16::from_f32(v))
+                .chain(
+                    b.chunks_exact(2)
+                        .map(|c| half::f16::from_le_bytes([c[0], c[1]])),
+                )
+                .collect(),
+        ),
+        DType::BF16 => CpuStorage::BF16(
+            vals.iter()
+                .map(|&v| half::bf16::from_f32(v))
+                .chain(
+                    b.chunks_exact(2)
+                        .map(|c| half::bf16::from_le_bytes([c[0], c[1]])),
+                )
+                .collect(),
+        ),
+        dt => candle_core::bail!("w4a4_quantize: unsupported dtype {dt:?}"),
+    })
+}
+
+impl CustomOp3 for Quantize {
+    fn name(&self) -> &'static str {
+        "w4a4-quantize"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dt = s1.dtype();
+        let x = to_f32_vec(s1, l1, "x")?;
+        let res = to_f32_vec(s2, l2, "res")?;
+        let w = to_f32_vec(s3, l3, "w")?;
+        let (v, sum) = self.values(&x, &res, &w, dt);
+        let (m, k) = (self.m, self.spec.k);
+        let perm = self.spec.perm_vec()?;
+        let mut ordered = vec![0f32; m * k];
+        for i in 0..m {
+            for j in 0..k {
+                ordered[i * k + j] = v[i * k + perm[j] as usize];
+            }
+        }
+        let (codes, scales) = quantize_activations(&ordered, m, &self.spec);
+        let mut bytes: Vec<u8> = codes.iter().map(|&c| c as u8).collect();
+        bytes.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+        let (_, len) = self.out_len(dt);
+        Ok((storage_of(dt, &sum, &bytes)?, Shape::from(len)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::w4a4_cuda::quantize(self, (s1, l1), (s2, l2), (s3, l3))
+    }
+}
+
+/// `a` (quantized for `w`) times `w`ᵀ: `[.., n]` in `dtype` (f32, f16, bf16).
+pub fn w4a4_matmul(a: &QuantAct, w: &W4a4Weights, dtype: DType) -> Result<Tensor> {
+    use crate::formats::LinearWeights;
+    let (n, k) = w.shape();
+    if a.spec.k != k || a.spec.kn != w.act().kn {
+        candle_core::bail!(
+            "w4a4_matmul: activations of {} channels (INT8 from {}) for a [{n}, {k}] weight (INT8 from {})",
+            a.spec.k,
+            a.spec.kn,
+            w.act().kn
+        )
+    }
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        candle_core::bail!("w4a4_matmul: output dtype {dtype:?} (f32, f16, bf16)")
+    }
+    let need = QuantAct::bytes(a.m, k);
+    let have = a.buf.elem_count() * a.buf.dtype().size_in_bytes();
+    if have < need || !a.buf.is_contiguous() {
+        candle_core::bail!(
+            "w4a4_matmul: activation buffer of {have} bytes (contiguous: {}) for [{}, {k}], want {need}",
+            a.buf.is_contiguous(),
+            a.m
+        )
+    }
+    let mut dims = a.dims.clone();
+    if let Some(d) = dims.last_mut() {
+        *d = n;
+    }
+    let op = Matmul {
+        w: w.clone(),
+        m: a.m,
+        dtype,
+    };
+    a.buf.apply_op1_no_bwd(&op)?.reshape(dims)
+}
+
+pub(super) struct Matmul {
+    pub(super) w: W4a4Weights,
+    pub(super) m: usize,
+    pub(super) dtype: DType,
+}
+
+impl CustomOp1 for Matmul {
+    fn name(&self) -> &'static str {
+        "w4a4-matmul"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        use crate::formats::LinearWeights;
+        let (n, k) = self.w.shape();
+        let m = self.m;
+        let bytes = cpu_bytes(s, l)?;
+        let a: Vec<i8> = bytes[..m * k].iter().map(|&b| b as i8).collect();
+        let sa: Vec<f32> = bytes[m * k..QuantAct::bytes(m, k)]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let (wq, sw) = self.w.codes()?;
+        let y = matmul_ref(&a, &sa, &wq, &sw, (m, n, k));
+        Ok((storage_of(self.dtype, &y, &[])?, Shape::from((m, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::w4a4_cuda::matmul(self, s, l)
+    }
+}
+
+/// The bytes of a contiguous CPU storage region.
+fn cpu_bytes(s: &CpuStorage, l: &Layout) -> Result<Vec<u8>> {
+    Ok(match s {
+        CpuStorage::U8(_) => contiguous_slice::<u8>(s, l, "act")?.to_vec(),
+        CpuStorage::F32(_) => contiguous_slice::<f32>(s, l, "act")?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        CpuStorage::F16(_) => contiguous_slice::<half::f16>(s, l, "act")?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        CpuStorage::BF16(_) => contiguous_slice::<half::bf16>(s, l, "act")?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        _ => candle_core::bail!("w4a4: activation buffer of dtype {:?}", s.dtype()),
+    })
+}
+
+/// `blocks(k)` re-exported for the launcher.
+#[cfg(feature = "cuda")]
+pub(super) fn nb(k: usize) -> usize {
+    crate::formats::w4a4::blocks(k)
+}
+
+// The launcher reads these.
+#[cfg(feature = "cuda")]
+impl Quantize {
+    pub(super) fn parts(&self) -> (&ActSpec, i32, usize, f32) {
+        (&self.spec, self.mode as i32, self.m, self.eps)
+    }
+
+    pub(super) fn len(&self, dt: DType) -> (usize, usize) {
+        self.out_len(dt)
+    }
+}

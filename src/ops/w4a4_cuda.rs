@@ -1,0 +1,220 @@
+//! CUDA launchers of `cuda/w4a4.cu`. Shapes and dtypes are validated in `w4a4.rs`.
+
+use super::w4a4::{nb, Matmul, Quantize, W4A4_SKINNY_MAX_M};
+use crate::formats::LinearWeights;
+use crate::kernels::{contiguous_view, dtype_suffix, launch_params, ptx, raw_ptr, with_view};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{DType, Layout, Result, Shape};
+use half::{bf16, f16};
+
+/// `QuantParams` of `cuda/w4a4.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct QuantParams {
+    x: u64,
+    res: u64,
+    gamma: u64,
+    perm: u64,
+    sum: u64,
+    act: u64,
+    m: i32,
+    k: i32,
+    kn: i32,
+    nb: i32,
+    mode: i32,
+    per_token: i32,
+    eps: f32,
+    clip4: f32,
+    clip8: f32,
+}
+
+/// `GemmParams` of `cuda/w4a4.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GemmParams {
+    act: u64,
+    w4: u64,
+    w8: u64,
+    sw: u64,
+    y: u64,
+    m: i32,
+    n: i32,
+    k: i32,
+    kn: i32,
+    k8w: i32,
+    nb: i32,
+}
+
+/// Tiled GEMM: 3 stages of 32 KiB (activations, then weights).
+const GEMM_SMEM: u32 = 3 * 32 * 1024;
+
+/// Run `f` with the device address of the bytes `l` describes in `s` (any dtype).
+fn with_bytes<R>(s: &CudaStorage, l: &Layout, f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
+    let stream = s.device().cuda_stream();
+    macro_rules! go {
+        ($t:ty) => {{
+            let v = contiguous_view::<$t>(s, l, "act")?;
+            let (p, _g) = raw_ptr(&v, &stream);
+            f(p)
+        }};
+    }
+    match s.dtype() {
+        DType::U8 => go!(u8),
+        DType::F32 => go!(f32),
+        DType::F16 => go!(f16),
+        DType::BF16 => go!(bf16),
+        dt => candle_core::bail!("w4a4: activation buffer of dtype {dt:?}"),
+    }
+}
+
+fn alloc_bytes(dev: &candle_core::CudaDevice, dt: DType, len: usize) -> Result<CudaStorage> {
+    Ok(match dt {
+        DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(len)? }, dev.clone()),
+        DType::F16 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f16>(len)? }, dev.clone()),
+        DType::BF16 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<bf16>(len)? }, dev.clone())
+        }
+        dt => candle_core::bail!("w4a4: unsupported dtype {dt:?}"),
+    })
+}
+
+pub(super) fn quantize(
+    op: &Quantize,
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = s1.device().clone();
+    let stream = dev.cuda_stream();
+    let dt = s1.dtype();
+    let (spec, mode, m, eps) = op.parts();
+    let (sum_elems, len) = op.len(dt);
+    let out = alloc_bytes(&dev, dt, len)?;
+    let out_layout = Layout::contiguous(len);
+    let name = format!("w4a4_quant_{}", dtype_suffix(dt)?);
+    let func = dev.get_or_load_custom_func(&name, "w4a4", ptx::W4A4)?;
+    let launch = |perm: u64| -> Result<()> {
+        with_bytes(s1, l1, |x| {
+            with_bytes(s2, l2, |res| {
+                with_bytes(s3, l3, |gamma| {
+                    with_bytes(&out, &out_layout, |o| {
+                        let esz = dt.size_in_bytes() as u64;
+                        let params = QuantParams {
+                            x,
+                            res,
+                            gamma,
+                            perm,
+                            sum: o,
+                            act: o + (sum_elems as u64) * esz,
+                            m: m as i32,
+                            k: spec.k as i32,
+                            kn: spec.kn as i32,
+                            nb: nb(spec.k) as i32,
+                            mode,
+                            per_token: spec.per_token as i32,
+                            eps,
+                            clip4: spec.clip4,
+                            clip8: spec.clip8,
+                        };
+                        if m == 0 {
+                            return Ok(());
+                        }
+                        let cfg = LaunchConfig {
+                            grid_dim: (m as u32, 1, 1),
+                            block_dim: (256, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        unsafe { launch_params(&func, &stream, cfg, 0, &params) }
+                    })
+                })
+            })
+        })
+    };
+    match &spec.perm {
+        Some(p) => with_view::<u32, _>(p, "perm", |v| {
+            let (pp, _g) = raw_ptr(&v, &stream);
+            launch(pp)
+        })?,
+        None => launch(0)?,
+    }
+    Ok((out, Shape::from(len)))
+}
+
+pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = s.device().clone();
+    let stream = dev.cuda_stream();
+    let w = &op.w;
+    let (n, k) = w.shape();
+    let m = op.m;
+    let out = alloc_bytes(&dev, op.dtype, m * n)?;
+    let out_layout = Layout::contiguous(m * n);
+    if m * n == 0 {
+        return Ok((out, Shape::from((m, n))));
+    }
+    let suf = dtype_suffix(op.dtype)?;
+    let (name, cfg) = if m <= W4A4_SKINNY_MAX_M {
+        let mt = match m {
+            0..=16 => 1,
+            17..=32 => 2,
+            _ => 4,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(8) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (format!("w4a4_skinny_{suf}_m{mt}"), cfg)
+    } else {
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: GEMM_SMEM,
+        };
+        (format!("w4a4_gemm_{suf}"), cfg)
+    };
+    let func = dev.get_or_load_custom_func(&name, "w4a4", ptx::W4A4)?;
+    if cfg.shared_mem_bytes > 48 * 1024 {
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            cfg.shared_mem_bytes as i32,
+        )
+        .map_err(candle_core::Error::wrap)?;
+    }
+    let launch = |w8: u64| -> Result<()> {
+        with_bytes(s, l, |act| {
+            with_view::<u8, _>(w.w4(), "w4", |w4| {
+                with_view::<f16, _>(w.scales(), "scales", |sw| {
+                    with_bytes(&out, &out_layout, |y| {
+                        let ((w4p, _g1), (swp, _g2)) =
+                            (raw_ptr(&w4, &stream), raw_ptr(&sw, &stream));
+                        let params = GemmParams {
+                            act,
+                            w4: w4p,
+                            w8,
+                            sw: swp,
+                            y,
+                            m: m as i32,
+                            n: n as i32,
+                            k: k as i32,
+                            kn: w.act().kn as i32,
+                            k8w: w.k8w() as i32,
+                            nb: nb(k) as i32,
+                        };
+                        unsafe { launch_params(&func, &stream, cfg, 0, &params) }
+                    })
+                })
+            })
+        })
+    };
+    match w.w8() {
+        Some(t) => with_view::<u8, _>(t, "w8", |v| {
+            let (p, _g) = raw_ptr(&v, &stream);
+            launch(p)
+        })?,
+        None => launch(0)?,
+    }
+    Ok((out, Shape::from((m, n))))
+}
