@@ -16,7 +16,8 @@
 //                           (after its permutation): INT4 values in [-8, 7], INT8 in
 //                           [-128, 127]. One byte per INT4 code on purpose: the multiply
 //                           runs on INT8 operands, and the tensor is transient.
-//               f32 [m, nb] scale of each (token, block): x ~ code * scale.
+//               f32 [nb, m] scale of each (block, token): x ~ code * scale (block-major,
+//                           so a tile's 128 tokens' scales are contiguous).
 //               Both live in one buffer: codes first (m k bytes), then the scales.
 //   w4          u8 [n, k4/2] 4-bit weight codes of columns [0, k4) (k4 = k - k8w), block
 //                           by block; inside block b (nc = width / 32 chunks of 32
@@ -33,20 +34,24 @@
 //                           its outlier channels), block by block, inside a block ordered
 //                           [t][s][8 bytes]: bytes 0..3 = q[c0 + 4t + j], 4..7 =
 //                           q[c0 + 16 + 4t + j] (b0 then b1).
-//   sw          f16 [n, nb] weight scale of each (row, block).
+//   sw          f16 [n, nb] weight scale of each (row, block), as stored; the kernels read
+//                           sw_t f16 [nb, np] (np = n rounded up to 8, zero-padded), the
+//                           same values transposed at load (16-byte copies of a tile's 128).
 //   y           T [m, n]    y[i, r] = sum_b sa[i, b] sw[r, b] sum_{c in b} qa[i, c] qw[r, c]
 //                           (the integer sum exact in int32, the scaling in f32 per block,
 //                           then one rounding to T).
 //
 // Kernels (T in f32, f16, bf16):
-//   w4a4_quant_T   one block per token: (add +) RMSNorm, SiLU·mul or nothing, gather
+//   w4a4_quant_T   one block per token (a warp per block of 128, at most 32): (add +) RMSNorm, SiLU·mul or nothing, gather
 //                  through the permutation, absmax per block (or per row), codes + scales.
-//   w4a4_skinny_T_mMT  m <= 16 MT: a block per 8 weight rows, its warps split the k
-//                  blocks; weights read straight from global (16-byte loads), the next
-//                  block's codes in flight while the current one multiplies.
-//   w4a4_gemm_T    large m: 128 x 128 tiles, 8 warps (64 x 32 each), one k block per
-//                  pipeline stage (3 stages of cp.async), ldmatrix on swizzled
-//                  activations, int32 per block rescaled into f32 accumulators.
+//   w4a4_skinny_T_m1  m <= 16 (one m16 tile; MT tiles in the template, measured slower
+//                  than the tiled kernel above m = 16): a block per 8 weight rows, its 8 warps split the k
+//                  blocks; weights read straight from global (16-byte loads), each warp's
+//                  next SKINNY_DEPTH blocks of codes and scales in flight at once.
+//   w4a4_gemm_T    large m: 128 x 128 tiles, 16 warps (32 x 32 each), one k block and
+//                  its scales per pipeline stage (3 stages of cp.async), ldmatrix on
+//                  swizzled activations, int32 per block rescaled into f32 accumulators
+//                  (int to float by the 2^23 trick: I2F is quarter rate on sm_90).
 // Launched with programmatic dependent launch (pdl_wait before reading what an earlier
 // kernel wrote).
 #include "common.cuh"
@@ -60,9 +65,9 @@ struct GemmParams {
     const uint8_t* act;   // codes [m, k], then f32 scales [m, nb]
     const uint8_t* w4;    // [n, k4 / 2]
     const uint8_t* w8;    // [n, k8w] (null when k8w == 0)
-    const __half* sw;     // [n, nb]
+    const __half* sw;     // sw_t [nb, np]
     void* y;              // [m, n] T
-    int m, n, k, kn, k8w, nb;
+    int m, n, k, kn, k8w, nb, np;
 };
 
 // Mirrors `QuantParams` in src/ops/w4a4.rs (repr(C)).
@@ -150,7 +155,7 @@ __device__ void w4a4_quant(const QuantParams& p) {
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     uint8_t* codes = p.act + (size_t)row * p.k;
-    float* scales = reinterpret_cast<float*>(p.act + (size_t)p.m * p.k) + (size_t)row * p.nb;
+    float* scales = reinterpret_cast<float*>(p.act + (size_t)p.m * p.k) + row;
     for (int b = warp; b < p.nb; b += warps) {
         int start, nc;
         block_span(b, p.k, start, nc);
@@ -178,14 +183,14 @@ __device__ void w4a4_quant(const QuantParams& p) {
                 codes[start + 32 * i + lane] = (uint8_t)(int8_t)(int)q;
             }
         }
-        if (lane == 0) scales[b] = scale;
+        if (lane == 0) scales[(size_t)b * p.m] = scale;
     }
 }
 
 // ---------------------------------------------------------------------------------------
 // Skinny GEMM (decode sizes).
 
-#define SKINNY_WARPS 4
+#define SKINNY_WARPS 8
 
 // The B fragments of chunk s of lane (row, t)'s block: from 4-bit words, or 8-bit bytes.
 struct BFrag {
@@ -234,6 +239,15 @@ __device__ __forceinline__ void b_regs(const BFrag& f, int s, bool w8, uint32_t&
     }
 }
 
+// int32 to f32 in two full-rate ops (I2F runs at a quarter of the FP32 rate on sm_90):
+// exact for |v| < 2^22, which every block sum here is (at most 2^21, with the x16).
+__device__ __forceinline__ float i2f(int v) {
+    return __int_as_float(v + 0x4B400000) - 12582912.f;
+}
+
+// Blocks a warp of the skinny kernel has in flight at once.
+#define SKINNY_DEPTH 4
+
 template <typename T, int MT>
 __device__ void w4a4_skinny(const GemmParams& p) {
     __shared__ float red[SKINNY_WARPS][MT * 4][32];
@@ -249,64 +263,77 @@ __device__ void w4a4_skinny(const GemmParams& p) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
 
-    // Weights are never written by a kernel: the first block's codes load before pdl_wait.
-    int b = warp;
-    BFrag cur, nxt;
-    int start = 0, nc = 0;
-    if (b < p.nb) {
-        block_span(b, p.k, start, nc);
-        load_b(p, row0 + g, t, start, nc, start >= k4, cur);
-    }
-    pdl_wait();
-    for (; b < p.nb; b += SKINNY_WARPS) {
-        const bool w8 = start >= k4;
-        const int bn = b + SKINNY_WARPS;
-        int nstart = 0, nnc = 0;
-        if (bn < p.nb) {
-            block_span(bn, p.k, nstart, nnc);
-            load_b(p, row0 + g, t, nstart, nnc, nstart >= k4, nxt);
-        }
-        int ci[MT][4];
+    bool waited = false;
+    for (int b0 = warp; b0 < p.nb; b0 += SKINNY_DEPTH * SKINNY_WARPS) {
+        // Every block's codes and weight scales of this round in flight first (weights are
+        // never written by a kernel: the first round loads before pdl_wait).
+        BFrag f[SKINNY_DEPTH];
+        int st[SKINNY_DEPTH], ncs[SKINNY_DEPTH];
+        float w0[SKINNY_DEPTH], w1[SKINNY_DEPTH];
 #pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) ci[i][j] = 0;
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            if (s < nc) {
-                uint32_t b0, b1;
-                b_regs(cur, s, w8, b0, b1);
-                const int col = start + 32 * s + 4 * t;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const int r0 = mt * 16 + g, r1 = r0 + 8;
-                    uint32_t a[4];
-                    a[0] = r0 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r0 * p.k + col) : 0u;
-                    a[1] = r1 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r1 * p.k + col) : 0u;
-                    a[2] = r0 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r0 * p.k + col + 16) : 0u;
-                    a[3] = r1 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r1 * p.k + col + 16) : 0u;
-                    mma_s8(ci[mt], a, b0, b1);
-                }
+        for (int u = 0; u < SKINNY_DEPTH; ++u) {
+            const int b = b0 + u * SKINNY_WARPS;
+            st[u] = 0;
+            ncs[u] = 0;
+            w0[u] = w1[u] = 0.f;
+            if (b < p.nb) {
+                block_span(b, p.k, st[u], ncs[u]);
+                const bool w8 = st[u] >= k4;
+                load_b(p, row0 + g, t, st[u], ncs[u], w8, f[u]);
+                const float fac = w8 ? 1.f : 0.0625f;
+                // c0 even, np a multiple of 8: the pair is one aligned 4-byte word (padding 0).
+                const int c0 = row0 + 2 * t;
+                const float2 wv = __half22float2(
+                    *reinterpret_cast<const __half2*>(p.sw + (size_t)b * p.np + c0));
+                w0[u] = wv.x * fac;
+                w1[u] = wv.y * fac;
             }
         }
-        const float f = w8 ? 1.f : 0.0625f;
-        const int c0 = row0 + 2 * t, c1 = c0 + 1;
-        const float w0 = c0 < p.n ? __half2float(p.sw[(size_t)c0 * p.nb + b]) * f : 0.f;
-        const float w1 = c1 < p.n ? __half2float(p.sw[(size_t)c1 * p.nb + b]) * f : 0.f;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int r0 = mt * 16 + g, r1 = r0 + 8;
-            const float a0 = r0 < p.m ? sa[(size_t)r0 * p.nb + b] : 0.f;
-            const float a1 = r1 < p.m ? sa[(size_t)r1 * p.nb + b] : 0.f;
-            acc[mt][0] += (float)ci[mt][0] * (a0 * w0);
-            acc[mt][1] += (float)ci[mt][1] * (a0 * w1);
-            acc[mt][2] += (float)ci[mt][2] * (a1 * w0);
-            acc[mt][3] += (float)ci[mt][3] * (a1 * w1);
+        if (!waited) {
+            pdl_wait();
+            waited = true;
         }
-        cur = nxt;
-        start = nstart;
-        nc = nnc;
+#pragma unroll
+        for (int u = 0; u < SKINNY_DEPTH; ++u) {
+            const int b = b0 + u * SKINNY_WARPS;
+            if (ncs[u] == 0) continue;
+            const bool w8 = st[u] >= k4;
+            int ci[MT][4];
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) ci[i][j] = 0;
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                if (s < ncs[u]) {
+                    uint32_t b0r, b1r;
+                    b_regs(f[u], s, w8, b0r, b1r);
+                    const int col = st[u] + 32 * s + 4 * t;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const int r0 = mt * 16 + g, r1 = r0 + 8;
+                        uint32_t a[4];
+                        a[0] = r0 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r0 * p.k + col) : 0u;
+                        a[1] = r1 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r1 * p.k + col) : 0u;
+                        a[2] = r0 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r0 * p.k + col + 16) : 0u;
+                        a[3] = r1 < p.m ? *reinterpret_cast<const uint32_t*>(p.act + (size_t)r1 * p.k + col + 16) : 0u;
+                        mma_s8(ci[mt], a, b0r, b1r);
+                    }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r0 = mt * 16 + g, r1 = r0 + 8;
+                const float a0 = r0 < p.m ? sa[(size_t)b * p.m + r0] : 0.f;
+                const float a1 = r1 < p.m ? sa[(size_t)b * p.m + r1] : 0.f;
+                acc[mt][0] = fmaf(i2f(ci[mt][0]), a0 * w0[u], acc[mt][0]);
+                acc[mt][1] = fmaf(i2f(ci[mt][1]), a0 * w1[u], acc[mt][1]);
+                acc[mt][2] = fmaf(i2f(ci[mt][2]), a1 * w0[u], acc[mt][2]);
+                acc[mt][3] = fmaf(i2f(ci[mt][3]), a1 * w1[u], acc[mt][3]);
+            }
+        }
     }
+    if (!waited) pdl_wait();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -334,14 +361,22 @@ __device__ void w4a4_skinny(const GemmParams& p) {
 #define GEMM_BM 128
 #define GEMM_BN 128
 #define GEMM_STAGES 3
+#define GEMM_THREADS 512               // 16 warps: 4 (m) x 4 (n), each 32 x 32
 #define GEMM_A_BYTES (GEMM_BM * 128)   // 128 rows x 128 code bytes, swizzled
 #define GEMM_B_BYTES (GEMM_BN * 128)   // 128 rows x up to 128 bytes (8-bit tail)
-#define GEMM_STAGE_BYTES (GEMM_A_BYTES + GEMM_B_BYTES)
+#define GEMM_SA_BYTES (GEMM_BM * 4)    // the rows' f32 activation scales
+#define GEMM_SW_BYTES (GEMM_BN * 2)    // the rows' f16 weight scales
+#define GEMM_STAGE_BYTES (GEMM_A_BYTES + GEMM_B_BYTES + GEMM_SA_BYTES + GEMM_SW_BYTES)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const uint32_t d = (uint32_t)__cvta_generic_to_shared(smem);
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(smem);
+    const int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(gmem), "r"(n));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -354,18 +389,17 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                  : "r"(a));
 }
 
-// Block b's activation rows and weight rows into a stage. A: row r's 16-byte chunk c at
-// r * 128 + ((c ^ (r & 7)) * 16). B: the rows' bytes as stored (16 nc or 32 nc per row).
-__device__ __forceinline__ void gemm_load(const GemmParams& p, int b, uint8_t* stage, int m0,
-                                          int n0) {
-    int start, nc;
-    block_span(b, p.k, start, nc);
+// Block b's activation rows, weight rows and both rows' scales into a stage. A: row r's
+// 16-byte chunk c at r * 128 + ((c ^ (r & 7)) * 16). B: the rows' bytes as stored (16 nc or
+// 32 nc per row). Called with literal nc / w8 for whole blocks, so the loops unroll.
+__device__ __forceinline__ void gemm_load_impl(const GemmParams& p, int b, int start, int nc,
+                                               bool w8, uint8_t* stage, int m0, int n0) {
     const int k4 = p.k - p.k8w;
-    const bool w8 = start >= k4;
     uint8_t* sa = stage;
     uint8_t* sb = stage + GEMM_A_BYTES;
     const int a_chunks = 2 * nc;  // 16-byte chunks per activation row
-    for (int i = threadIdx.x; i < GEMM_BM * a_chunks; i += blockDim.x) {
+#pragma unroll 2
+    for (int i = threadIdx.x; i < GEMM_BM * a_chunks; i += GEMM_THREADS) {
         const int r = i / a_chunks, c = i % a_chunks;
         const int gr = m0 + r;
         const bool ok = gr < p.m;
@@ -373,7 +407,8 @@ __device__ __forceinline__ void gemm_load(const GemmParams& p, int b, uint8_t* s
         cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), src, ok);
     }
     const int b_chunks = w8 ? 2 * nc : nc;
-    for (int i = threadIdx.x; i < GEMM_BN * b_chunks; i += blockDim.x) {
+#pragma unroll 2
+    for (int i = threadIdx.x; i < GEMM_BN * b_chunks; i += GEMM_THREADS) {
         const int r = i / b_chunks, c = i % b_chunks;
         const int gr = n0 + r;
         const bool ok = gr < p.n;
@@ -381,6 +416,116 @@ __device__ __forceinline__ void gemm_load(const GemmParams& p, int b, uint8_t* s
                                 : p.w4 + (size_t)(ok ? gr : 0) * (k4 / 2) + start / 2 + 16 * c;
         cp_async16(sb + r * (b_chunks * 16) + 16 * c, src, ok);
     }
+    const int tid = threadIdx.x;
+    if (tid < GEMM_BM) {
+        const float* sact = reinterpret_cast<const float*>(p.act + (size_t)p.m * p.k);
+        const bool ok = m0 + tid < p.m;
+        cp_async4(stage + GEMM_A_BYTES + GEMM_B_BYTES + 4 * tid,
+                  sact + (size_t)b * p.m + (ok ? m0 + tid : 0), ok);
+    } else if (tid < GEMM_BM + GEMM_SW_BYTES / 16) {
+        // n0 + 8j < np: the padded rows hold zeros.
+        const int j = tid - GEMM_BM;
+        const bool ok = n0 + 8 * j < p.np;
+        cp_async16(stage + GEMM_A_BYTES + GEMM_B_BYTES + GEMM_SA_BYTES + 16 * j,
+                   p.sw + (size_t)b * p.np + (ok ? n0 + 8 * j : 0), ok);
+    }
+}
+
+__device__ __forceinline__ void gemm_load(const GemmParams& p, int b, uint8_t* stage, int m0,
+                                          int n0) {
+    int start, nc;
+    block_span(b, p.k, start, nc);
+    const bool w8 = start >= p.k - p.k8w;
+    if (nc == 4 && !w8) gemm_load_impl(p, b, start, 4, false, stage, m0, n0);
+    else if (nc == 4) gemm_load_impl(p, b, start, 4, true, stage, m0, n0);
+    else gemm_load_impl(p, b, start, nc, w8, stage, m0, n0);
+}
+
+// One k block of the warp's 32 x 32 tile from a stage: int32 sums, then rescaled into acc.
+// Called with literal nc / w8 for whole blocks.
+__device__ __forceinline__ void gemm_step(const uint8_t* stage, int nc, bool w8,
+                                          float (&acc)[2][4][4]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = warp & 3, wn = warp >> 2;
+    const uint8_t* sa = stage;
+    const uint8_t* sb = stage + GEMM_A_BYTES;
+    const float* ssa = reinterpret_cast<const float*>(stage + GEMM_A_BYTES + GEMM_B_BYTES);
+    const __half* ssw =
+        reinterpret_cast<const __half*>(stage + GEMM_A_BYTES + GEMM_B_BYTES + GEMM_SA_BYTES);
+
+    // B fragments for the whole block (one 16-byte read per n tile and whole 4-bit block).
+    BFrag bf[4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+        const int r = wn * 32 + nt * 8 + g;
+        const int rb = w8 ? 32 * nc : 16 * nc;
+        const uint8_t* src = sb + r * rb + t * (w8 ? 8 * nc : 4 * nc);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bf[nt].w[i] = 0u;
+        if (nc == 4 && !w8) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src);
+            bf[nt].w[0] = v.x; bf[nt].w[1] = v.y; bf[nt].w[2] = v.z; bf[nt].w[3] = v.w;
+        } else if (nc == 4) {
+            const uint4 v0 = reinterpret_cast<const uint4*>(src)[0];
+            const uint4 v1 = reinterpret_cast<const uint4*>(src)[1];
+            bf[nt].w[0] = v0.x; bf[nt].w[1] = v0.y; bf[nt].w[2] = v0.z; bf[nt].w[3] = v0.w;
+            bf[nt].w[4] = v1.x; bf[nt].w[5] = v1.y; bf[nt].w[6] = v1.z; bf[nt].w[7] = v1.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < (w8 ? 2 * nc : nc)) bf[nt].w[i] = reinterpret_cast<const uint32_t*>(src)[i];
+        }
+    }
+
+    int ci[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ci[i][j][e] = 0;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        if (s < nc) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const int r = wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int c = 2 * s + (lane >> 4);
+                ldmatrix_x4(a[mt], sa + r * 128 + ((c ^ (r & 7)) << 4));
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                uint32_t b0, b1;
+                b_regs(bf[nt], s, w8, b0, b1);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) mma_s8(ci[mt][nt], a[mt], b0, b1);
+            }
+        }
+    }
+    const float f = w8 ? 1.f : 0.0625f;
+    float a_s[2][2], w_s[4][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) a_s[mt][h] = ssa[wm * 32 + mt * 16 + g + 8 * h] * f;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+        const float2 wv = __half22float2(
+            *reinterpret_cast<const __half2*>(ssw + wn * 32 + nt * 8 + 2 * t));
+        w_s[nt][0] = wv.x;
+        w_s[nt][1] = wv.y;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            acc[mt][nt][0] = fmaf(i2f(ci[mt][nt][0]), a_s[mt][0] * w_s[nt][0], acc[mt][nt][0]);
+            acc[mt][nt][1] = fmaf(i2f(ci[mt][nt][1]), a_s[mt][0] * w_s[nt][1], acc[mt][nt][1]);
+            acc[mt][nt][2] = fmaf(i2f(ci[mt][nt][2]), a_s[mt][1] * w_s[nt][0], acc[mt][nt][2]);
+            acc[mt][nt][3] = fmaf(i2f(ci[mt][nt][3]), a_s[mt][1] * w_s[nt][1], acc[mt][nt][3]);
+        }
 }
 
 template <typename T>
@@ -388,16 +533,15 @@ __device__ void w4a4_gemm(const GemmParams& p) {
     extern __shared__ __align__(128) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int wm = warp & 1, wn = warp >> 1;  // 2 x 4 warps, each 64 x 32
+    const int wm = warp & 3, wn = warp >> 2;
     const int m0 = blockIdx.y * GEMM_BM, n0 = blockIdx.x * GEMM_BN;
     const int k4 = p.k - p.k8w;
-    const float* sact = reinterpret_cast<const float*>(p.act + (size_t)p.m * p.k);
     pdl_trigger();
     pdl_wait();
 
-    float acc[4][4][4];
+    float acc[2][4][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -416,95 +560,24 @@ __device__ void w4a4_gemm(const GemmParams& p) {
             if (bl < p.nb) gemm_load(p, bl, smem + (bl % GEMM_STAGES) * GEMM_STAGE_BYTES, m0, n0);
             cp_async_commit();
         }
-        const uint8_t* sa = smem + (b % GEMM_STAGES) * GEMM_STAGE_BYTES;
-        const uint8_t* sb = sa + GEMM_A_BYTES;
+        const uint8_t* stage = smem + (b % GEMM_STAGES) * GEMM_STAGE_BYTES;
         int start, nc;
         block_span(b, p.k, start, nc);
         const bool w8 = start >= k4;
-
-        // Scales of this block, loaded early (they do not depend on the stage).
-        float a_s[4][2], w_s[4][2];
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = m0 + wm * 64 + mt * 16 + g + 8 * h;
-                a_s[mt][h] = r < p.m ? sact[(size_t)r * p.nb + b] : 0.f;
-            }
-        const float f = w8 ? 1.f : 0.0625f;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int c = n0 + wn * 32 + nt * 8 + 2 * t + h;
-                w_s[nt][h] = c < p.n ? __half2float(p.sw[(size_t)c * p.nb + b]) * f : 0.f;
-            }
-
-        // B fragments for the whole block (one 16-byte read per n tile and 4-bit block).
-        BFrag bf[4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const int r = wn * 32 + nt * 8 + g;
-            const int rb = w8 ? 32 * nc : 16 * nc;
-            const uint8_t* src = sb + r * rb + t * (w8 ? 8 * nc : 4 * nc);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) bf[nt].w[i] = 0u;
-            if (nc == 4 && !w8) {
-                const uint4 v = *reinterpret_cast<const uint4*>(src);
-                bf[nt].w[0] = v.x; bf[nt].w[1] = v.y; bf[nt].w[2] = v.z; bf[nt].w[3] = v.w;
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    if (i < (w8 ? 2 * nc : nc)) bf[nt].w[i] = reinterpret_cast<const uint32_t*>(src)[i];
-            }
-        }
-
-        int ci[4][4][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) ci[i][j][e] = 0;
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            if (s < nc) {
-                uint32_t a[4][4];
-#pragma unroll
-                for (int mt = 0; mt < 4; ++mt) {
-                    const int r = wm * 64 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                    const int c = 2 * s + (lane >> 4);
-                    ldmatrix_x4(a[mt], sa + r * 128 + ((c ^ (r & 7)) << 4));
-                }
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    uint32_t b0, b1;
-                    b_regs(bf[nt], s, w8, b0, b1);
-#pragma unroll
-                    for (int mt = 0; mt < 4; ++mt) mma_s8(ci[mt][nt], a[mt], b0, b1);
-                }
-            }
-        }
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                acc[mt][nt][0] += (float)ci[mt][nt][0] * (a_s[mt][0] * w_s[nt][0]);
-                acc[mt][nt][1] += (float)ci[mt][nt][1] * (a_s[mt][0] * w_s[nt][1]);
-                acc[mt][nt][2] += (float)ci[mt][nt][2] * (a_s[mt][1] * w_s[nt][0]);
-                acc[mt][nt][3] += (float)ci[mt][nt][3] * (a_s[mt][1] * w_s[nt][1]);
-            }
+        if (nc == 4 && !w8) gemm_step(stage, 4, false, acc);
+        else if (nc == 4) gemm_step(stage, 4, true, acc);
+        else gemm_step(stage, nc, w8, acc);
     }
     cp_async_wait<0>();
 
     T* y = static_cast<T*>(p.y);
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int r = m0 + wm * 64 + mt * 16 + g + (e >= 2 ? 8 : 0);
+                const int r = m0 + wm * 32 + mt * 16 + g + (e >= 2 ? 8 : 0);
                 const int c = n0 + wn * 32 + nt * 8 + 2 * t + (e & 1);
                 if (r < p.m && c < p.n) y[(size_t)r * p.n + c] = from_f32<T>(acc[mt][nt][e]);
             }
@@ -513,23 +586,15 @@ __device__ void w4a4_gemm(const GemmParams& p) {
 }  // namespace
 
 #define W4A4_KERNELS(SUF, T)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) w4a4_quant_##SUF(                      \
+    extern "C" __global__ void __launch_bounds__(1024) w4a4_quant_##SUF(                      \
         const __grid_constant__ QuantParams p) {                                              \
         w4a4_quant<T>(p);                                                                     \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) w4a4_skinny_##SUF##_m1(                \
+    extern "C" __global__ void __launch_bounds__(256) w4a4_skinny_##SUF##_m1(                \
         const __grid_constant__ GemmParams p) {                                               \
         w4a4_skinny<T, 1>(p);                                                                 \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) w4a4_skinny_##SUF##_m2(                \
-        const __grid_constant__ GemmParams p) {                                               \
-        w4a4_skinny<T, 2>(p);                                                                 \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) w4a4_skinny_##SUF##_m4(                \
-        const __grid_constant__ GemmParams p) {                                               \
-        w4a4_skinny<T, 4>(p);                                                                 \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 1) w4a4_gemm_##SUF(                    \
+    extern "C" __global__ void __launch_bounds__(512, 1) w4a4_gemm_##SUF(                    \
         const __grid_constant__ GemmParams p) {                                               \
         w4a4_gemm<T>(p);                                                                      \
     }

@@ -12,7 +12,8 @@ use candle_nn::VarBuilder;
 
 /// Prefill `prompts` (batch), then `steps` greedy decode steps through `forward` and
 /// through the decoder, asserting bit-equal logits at every step; the model's layers in
-/// `format` (round to nearest).
+/// `format` (round to nearest; formats that need calibration through `calib` on a few
+/// windows of ids).
 fn replay_matches_eager(
     dev: &Device,
     dtype: DType,
@@ -46,7 +47,23 @@ fn replay_with_kv(
         .map(|(k, v)| Ok((k, v.to_device(dev)?)))
         .collect::<Result<_>>()?;
     let mut model = Llama::load(VarBuilder::from_tensors(w, dtype, dev), &cfg)?;
-    model.quantize(format)?;
+    if format.needs_calibration() {
+        // GPTQ and the channel-ranking formats: a few calibration windows of token ids.
+        let windows: Vec<Vec<u32>> = (0..4)
+            .map(|i| (0..16).map(|t| ((t * 7 + i * 11) % 101) as u32).collect())
+            .collect();
+        candle_lowbit::calib::quantize_model(
+            &mut model,
+            &cfg,
+            format,
+            &Default::default(),
+            (&windows, &candle_lowbit::calib::CalibConfig::default()),
+            dtype,
+            &mut candle_lowbit::calib::Quiet,
+        )?;
+    } else {
+        model.quantize(format)?;
+    }
     let prompt = Tensor::new(&[[5u32, 9, 2, 77, 31, 8, 4], [44, 3, 1, 1, 9, 60, 2]], dev)?;
     let cap = 7 + steps + 1;
     let mut eager_cache = Cache::with_spec(cap, &spec, dtype, &cfg, dev)?;
@@ -125,7 +142,8 @@ fn graph_replay_matches_eager_gpu_every_format() -> Result<()> {
 fn graph_replay_matches_eager_gpu_quantized_kv() -> Result<()> {
     let dev = candle_lowbit::graph::cuda_device(0)?;
     for kv in [KvFormat::Kv4, KvFormat::Oaken] {
-        for f in [WeightFormat::Dense, WeightFormat::Int4] {
+        // W4A4 with a 4-bit cache: COMET's W4A4KV4.
+        for f in [WeightFormat::Dense, WeightFormat::Int4, WeightFormat::W4a4] {
             let mode = replay_with_kv(&dev, DType::F16, 64, f, kv)?;
             println!("{f} kv {kv}: 64 steps bit-identical, mode {mode:?}");
             assert_eq!(

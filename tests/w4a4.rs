@@ -642,10 +642,11 @@ mod gpu {
                             .to_device(&cpu)?
                             .to_dtype(DType::F32)?;
                         let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
-                        let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
-                        // A code may differ by one step where a value sits on a rounding edge.
+                        // The codes are the CPU's (the quantizer is bit-exact); what differs
+                        // is the order of the f32 sums, and the output rounding.
+                        let tol: f64 = if dt == DType::F32 { 1e-5 } else { 1e-2 };
                         let e = rel_err(&got, &want)?;
-                        assert!(e < tol.max(2e-3), "{f} [{n}, {k}] m {m} {dt:?}: rel {e}");
+                        assert!(e < tol, "{f} [{n}, {k}] m {m} {dt:?}: rel {e}");
                         assert_close(&got, &want, 0.05 * scale, 0.0, &format!("{f} m {m} {dt:?}"))?;
                     }
                 }

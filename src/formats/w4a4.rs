@@ -24,8 +24,9 @@
 //! input channel `perm[j]` (identity without a permutation). Blocks starting at or after
 //! `kn` (a multiple of 128) are *tail* blocks: INT8 activations; for `w4a4` also INT8
 //! weights. Atom's outlier count is therefore rounded so that `k − outliers` is a multiple
-//! of 128 (k = 576, 128 asked: 64 kept, measured against 192 in the module's tests of the
-//! default model in BENCHMARKS.md).
+//! of 128, the nearer multiple, ties to fewer outliers (k = 576, 128 asked: 64 kept). Measured
+//! on the default model (BENCHMARKS.md "W4A4"): 64 kept at 4.58 bits/weight gave perplexity
+//! 30.27, `--w4a4-outliers 192` (192 kept) 29.48 at 5.25 bits: the default keeps the bits.
 //!
 //! # Stored tensors (version 1)
 //!
@@ -218,7 +219,8 @@ impl ActSpec {
 /// the dense input had (`[.., k]`).
 ///
 /// `buf` is a contiguous tensor of any dtype whose bytes are the codes (u8 `[m, k]`, signed)
-/// followed by the f32 scales `[m, blocks(k)]` (the layout of `cuda/w4a4.cu`).
+/// followed by the f32 scales block-major, `[blocks(k), m]` (the layout of `cuda/w4a4.cu`).
+/// [`QuantAct::parts`] and [`QuantAct::from_parts`] take the scales token-major.
 #[derive(Debug, Clone)]
 pub struct QuantAct {
     pub buf: Tensor,
@@ -254,6 +256,7 @@ impl QuantAct {
         }
         super::expect(scales, "act scales", &[m, blocks(k)], DType::F32)?;
         let sb: Vec<u8> = scales
+            .t()?
             .flatten_all()?
             .to_vec1::<f32>()?
             .iter()
@@ -278,11 +281,10 @@ impl QuantAct {
             candle_core::bail!("QuantAct: {} bytes for [{m}, {k}]", bytes.len())
         }
         let codes = bytes[..m * k].iter().map(|&b| b as i8).collect();
-        let scales = bytes[m * k..Self::bytes(m, k)]
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        Ok((codes, scales))
+        Ok((
+            codes,
+            scales_token_major(&bytes[m * k..Self::bytes(m, k)], m, blocks(k)),
+        ))
     }
 
     /// The dense values `codes · scale` `[.., k]` in f32, in the input's channel order.
@@ -299,6 +301,28 @@ impl QuantAct {
         }
         Tensor::from_vec(out, self.dims.clone(), self.buf.device())
     }
+}
+
+/// Block-major f32 scale bytes `[nb, m]` as token-major values `[m, nb]`.
+pub fn scales_token_major(bytes: &[u8], m: usize, nb: usize) -> Vec<f32> {
+    let v: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let mut out = vec![0f32; m * nb];
+    for b in 0..nb {
+        for i in 0..m {
+            out[i * nb + b] = v[b * m + i];
+        }
+    }
+    out
+}
+
+/// Token-major scales `[m, nb]` as block-major bytes `[nb, m]`.
+pub fn scales_block_major(scales: &[f32], m: usize, nb: usize) -> Vec<u8> {
+    (0..nb)
+        .flat_map(|b| (0..m).flat_map(move |i| scales[i * nb + b].to_le_bytes()))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -595,6 +619,9 @@ pub struct W4a4Weights {
     w8: Option<Tensor>,
     /// f16 `[n, blocks(k)]`.
     scales: Tensor,
+    /// The same scales as the kernels read them: f16 `[blocks(k), np]`, `np` = n rounded
+    /// up to 8, zero-padded.
+    scales_t: Tensor,
 }
 
 impl W4a4Weights {
@@ -629,6 +656,12 @@ impl W4a4Weights {
         if let Some(p) = &act.perm {
             super::expect(p, "input.perm", &[k], DType::U32)?;
         }
+        let np = n.next_multiple_of(8);
+        let mut scales_t = scales.t()?;
+        if np > n {
+            let pad = Tensor::zeros((blocks(k), np - n), DType::F16, scales.device())?;
+            scales_t = Tensor::cat(&[&scales_t, &pad], 1)?;
+        }
         Ok(Self {
             format,
             shape: (n, k),
@@ -637,6 +670,7 @@ impl W4a4Weights {
             w4: w4.contiguous()?,
             w8: w8.map(|t| t.contiguous()).transpose()?,
             scales: scales.contiguous()?,
+            scales_t: scales_t.contiguous()?,
         })
     }
 
@@ -691,6 +725,11 @@ impl W4a4Weights {
         &self.scales
     }
 
+    /// The scales transposed, as the kernels read them (f16 `[blocks(k), n rounded up to 8]`).
+    pub fn scales_t(&self) -> &Tensor {
+        &self.scales_t
+    }
+
     /// (codes i8 `[n, k]` in the layer's channel order, scales f32 `[n, blocks(k)]`) on the
     /// CPU.
     pub fn codes(&self) -> Result<(Vec<i8>, Vec<f32>)> {
@@ -727,7 +766,8 @@ impl LinearWeights for W4a4Weights {
     fn bytes(&self) -> usize {
         let (n, k) = self.shape;
         let perm = if self.act.perm.is_some() { 4 * k } else { 0 };
-        self.w4.elem_count() + self.k8w * n + 2 * n * blocks(k) + perm + 16
+        // What the kernels read: codes, the transposed scales, the permutation.
+        self.w4.elem_count() + self.k8w * n + 2 * self.scales_t.elem_count() + perm + 16
     }
 
     fn encoding(&self) -> String {

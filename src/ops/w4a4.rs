@@ -11,13 +11,18 @@
 
 use super::contiguous_slice;
 use super::kv_quant::round_to;
-use crate::formats::w4a4::{matmul_ref, quantize_activations, ActSpec, QuantAct, W4a4Weights};
+use crate::formats::w4a4::{
+    blocks, matmul_ref, quantize_activations, scales_block_major, scales_token_major, ActSpec,
+    QuantAct, W4a4Weights,
+};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use std::sync::Arc;
 
-/// Largest `m` the skinny GEMM takes (above it, the tiled one).
-pub const W4A4_SKINNY_MAX_M: usize = 64;
+/// Largest `m` the skinny GEMM takes (above it, the tiled one): measured on the H200, two or
+/// four m16 tiles in the skinny kernel lost to the tiled one (11008 x 4096: m = 32 82 µs
+/// against 64 at m = 64 tiled).
+pub const W4A4_SKINNY_MAX_M: usize = 16;
 
 /// What [`w4a4_quantize`] quantizes: each `[.., k]` in f32/f16/bf16 (one dtype), `w` `[k]`.
 #[derive(Debug, Clone, Copy)]
@@ -149,7 +154,7 @@ pub fn w4a4_quantize(src: ActSource, spec: &Arc<ActSpec>) -> Result<(Option<Tens
     Ok((sum, act))
 }
 
-struct Quantize {
+pub(super) struct Quantize {
     spec: Arc<ActSpec>,
     mode: Mode,
     m: usize,
@@ -290,7 +295,7 @@ impl CustomOp3 for Quantize {
         }
         let (codes, scales) = quantize_activations(&ordered, m, &self.spec);
         let mut bytes: Vec<u8> = codes.iter().map(|&c| c as u8).collect();
-        bytes.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+        bytes.extend(scales_block_major(&scales, m, self.spec.blocks()));
         let (_, len) = self.out_len(dt);
         Ok((storage_of(dt, &sum, &bytes)?, Shape::from(len)))
     }
@@ -362,10 +367,7 @@ impl CustomOp1 for Matmul {
         let m = self.m;
         let bytes = cpu_bytes(s, l)?;
         let a: Vec<i8> = bytes[..m * k].iter().map(|&b| b as i8).collect();
-        let sa: Vec<f32> = bytes[m * k..QuantAct::bytes(m, k)]
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let sa = scales_token_major(&bytes[m * k..QuantAct::bytes(m, k)], m, blocks(k));
         let (wq, sw) = self.w.codes()?;
         let y = matmul_ref(&a, &sa, &wq, &sw, (m, n, k));
         Ok((storage_of(self.dtype, &y, &[])?, Shape::from((m, n))))
@@ -404,7 +406,7 @@ fn cpu_bytes(s: &CpuStorage, l: &Layout) -> Result<Vec<u8>> {
 /// `blocks(k)` re-exported for the launcher.
 #[cfg(feature = "cuda")]
 pub(super) fn nb(k: usize) -> usize {
-    crate::formats::w4a4::blocks(k)
+    blocks(k)
 }
 
 // The launcher reads these.

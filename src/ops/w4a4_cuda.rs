@@ -46,10 +46,11 @@ struct GemmParams {
     kn: i32,
     k8w: i32,
     nb: i32,
+    np: i32,
 }
 
-/// Tiled GEMM: 3 stages of 32 KiB (activations, then weights).
-const GEMM_SMEM: u32 = 3 * 32 * 1024;
+/// Tiled GEMM: 3 stages of activation codes, weight codes (16 KiB each) and their scales.
+const GEMM_SMEM: u32 = 3 * (2 * 16384 + 128 * 4 + 128 * 2);
 
 /// Run `f` with the device address of the bytes `l` describes in `s` (any dtype).
 fn with_bytes<R>(s: &CudaStorage, l: &Layout, f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
@@ -122,9 +123,11 @@ pub(super) fn quantize(
                         if m == 0 {
                             return Ok(());
                         }
+                        // A warp per block of 128 channels (at most 32 warps).
+                        let warps = nb(spec.k).clamp(1, 32) as u32;
                         let cfg = LaunchConfig {
                             grid_dim: (m as u32, 1, 1),
-                            block_dim: (256, 1, 1),
+                            block_dim: (32 * warps, 1, 1),
                             shared_mem_bytes: 0,
                         };
                         unsafe { launch_params(&func, &stream, cfg, 0, &params) }
@@ -156,21 +159,16 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
     }
     let suf = dtype_suffix(op.dtype)?;
     let (name, cfg) = if m <= W4A4_SKINNY_MAX_M {
-        let mt = match m {
-            0..=16 => 1,
-            17..=32 => 2,
-            _ => 4,
-        };
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(8) as u32, 1, 1),
-            block_dim: (128, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        (format!("w4a4_skinny_{suf}_m{mt}"), cfg)
+        (format!("w4a4_skinny_{suf}_m1"), cfg)
     } else {
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (512, 1, 1),
             shared_mem_bytes: GEMM_SMEM,
         };
         (format!("w4a4_gemm_{suf}"), cfg)
@@ -186,7 +184,7 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
     let launch = |w8: u64| -> Result<()> {
         with_bytes(s, l, |act| {
             with_view::<u8, _>(w.w4(), "w4", |w4| {
-                with_view::<f16, _>(w.scales(), "scales", |sw| {
+                with_view::<f16, _>(w.scales_t(), "scales_t", |sw| {
                     with_bytes(&out, &out_layout, |y| {
                         let ((w4p, _g1), (swp, _g2)) =
                             (raw_ptr(&w4, &stream), raw_ptr(&sw, &stream));
@@ -202,6 +200,7 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
                             kn: w.act().kn as i32,
                             k8w: w.k8w() as i32,
                             nb: nb(k) as i32,
+                            np: w.scales_t().dim(1)? as i32,
                         };
                         unsafe { launch_params(&func, &stream, cfg, 0, &params) }
                     })
