@@ -398,3 +398,26 @@ fn bad_inputs_are_rejected_clearly() -> Result<()> {
     assert!(err.contains("capacity of 2"), "{err}");
     Ok(())
 }
+
+/// Tied calibration quantiles (a layer of mostly exact zeros: both inner quantiles 0, as a
+/// destroyed W4A4 model's V gave on the H200) become strictly increasing thresholds whose
+/// rows still round-trip; all-equal quantiles stay an error.
+#[test]
+fn oaken_tied_quantiles_are_pulled_apart() -> Result<()> {
+    let q = [-0.8856f64, 0.0, 0.0, 0.8252];
+    let l = OakenLayer::from_quantiles(&q, &q)?;
+    let t = l.k;
+    assert!(t.outer_lo < t.inner_lo && t.inner_lo < t.inner_hi && t.inner_hi < t.outer_hi);
+    assert_eq!(t.inner_lo, 0.0);
+    assert!((t.inner_hi - 1e-3 * (0.8252 + 0.8856)).abs() < 1e-6);
+    let mut x = vec![0f32; 64];
+    x[3] = 0.5;
+    x[9] = -1.5;
+    x[20] = 1e-4;
+    let (_, out) = oaken_roundtrip(&x, &t);
+    for (a, b) in x.iter().zip(&out) {
+        assert!(b.is_finite() && (a - b).abs() <= 0.1, "{a} -> {b}");
+    }
+    assert!(OakenLayer::from_quantiles(&[1.0; 4], &[1.0; 4]).is_err());
+    Ok(())
+}

@@ -265,6 +265,19 @@ fn outlier_channels_are_ranked_last_and_cut_the_error() -> Result<()> {
         errs[1],
         errs[2]
     );
+    // Atom's weights by clipped round to nearest instead of GPTQ: same ranking, in bound.
+    let mut opts = QuantOptions::default();
+    opts.w4a4.gptq = false;
+    let f = WeightFormat::W4a4;
+    let q = f
+        .spec()
+        .codec
+        .quantize(f, &w, Some(&hessian(&cal)?), &opts)?;
+    let e = rel_err(&q.forward(&x)?, &exact)?;
+    assert!(
+        e < f.spec().error_bound && e < 0.5 * errs[2],
+        "w4a4 rtn-clip: error {e}"
+    );
     Ok(())
 }
 

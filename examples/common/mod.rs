@@ -140,6 +140,10 @@ pub struct CalibArgs {
     #[arg(long, default_value_t = 0.9)]
     pub act_clip: f32,
 
+    /// w4a4, fmpq: weights by GPTQ (false: round to nearest with the searched clip range).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub w4a4_gptq: bool,
+
     /// oaken KV cache: fraction of the values in the outer group (thresholds at the
     /// outer/2 and 1 - outer/2 quantiles).
     #[arg(long, default_value_t = 0.04)]
@@ -168,6 +172,7 @@ impl CalibArgs {
                 fmpq_ratio: self.fmpq_ratio,
                 fmpq_max_int8: self.fmpq_max_int8,
                 act_clip: self.act_clip,
+                gptq: self.w4a4_gptq,
             },
         }
     }

@@ -134,6 +134,8 @@ pub struct W4a4Config {
     pub fmpq_max_int8: f64,
     /// Clip ratio of INT4 activation blocks (`w4a4`, `fmpq`; `w4a4-rtn` takes 1).
     pub act_clip: f32,
+    /// `w4a4`, `fmpq`: weights by GPTQ (else round to nearest with the searched clip range).
+    pub gptq: bool,
 }
 
 impl Default for W4a4Config {
@@ -143,6 +145,7 @@ impl Default for W4a4Config {
             fmpq_ratio: 4.0,
             fmpq_max_int8: 0.2,
             act_clip: 0.9,
+            gptq: true,
         }
     }
 }
@@ -946,7 +949,12 @@ impl Codec for W4a4Codec {
                     },
                     clip: opts.gptq.clip,
                 };
-                let q = crate::gptq::gptq(&wp, &hp, &rule, &opts.gptq)?.quantized;
+                let q = if cfg.gptq {
+                    crate::gptq::gptq(&wp, &hp, &rule, &opts.gptq)?.quantized
+                } else {
+                    let rule = W4a4Rule { clip: true, ..rule };
+                    crate::gptq::round_to_nearest(&wp, &rule)?
+                };
                 let act = ActSpec {
                     k,
                     kn,
@@ -1016,9 +1024,12 @@ impl Codec for W4a4Codec {
             Scheme::Rtn => {
                 serde_json::json!({"weights": "per channel, RTN", "activations": "per token"})
             }
-            Scheme::Atom => serde_json::json!({"outliers": c.outliers, "act_clip": c.act_clip}),
+            Scheme::Atom => serde_json::json!({
+                "outliers": c.outliers, "act_clip": c.act_clip, "weights_gptq": c.gptq
+            }),
             Scheme::Fmpq => serde_json::json!({
-                "fmpq_ratio": c.fmpq_ratio, "fmpq_max_int8": c.fmpq_max_int8, "act_clip": c.act_clip
+                "fmpq_ratio": c.fmpq_ratio, "fmpq_max_int8": c.fmpq_max_int8,
+                "act_clip": c.act_clip, "weights_gptq": c.gptq
             }),
         }
     }

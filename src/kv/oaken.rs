@@ -138,10 +138,23 @@ pub struct OakenLayer {
 impl OakenLayer {
     /// Thresholds from per-layer calibration quantiles at [`OakenFractions::quantiles`]
     /// (`k` post- or pre-RoPE, as the cache stores K).
+    ///
+    /// Quantiles that tie (a layer whose values are mostly exact zeros: the inner quantiles
+    /// both 0) are pulled apart by a thousandth of the outer span, so every group keeps a
+    /// non-empty range; a span of zero (all values equal) is still an error.
     pub fn from_quantiles(k: &[f64], v: &[f64]) -> candle_core::Result<Self> {
         let four = |q: &[f64], what: &str| -> candle_core::Result<Thresholds> {
             match q {
-                [a, b, c, d] => Thresholds::new([*a as f32, *b as f32, *c as f32, *d as f32]),
+                [a, b, c, d] => {
+                    let mut t = [*a as f32, *b as f32, *c as f32, *d as f32];
+                    let eps = 1e-3 * (t[3] - t[0]);
+                    if eps > 0.0 {
+                        for i in 1..4 {
+                            t[i] = t[i].max(t[i - 1] + eps);
+                        }
+                    }
+                    Thresholds::new(t)
+                }
                 _ => candle_core::bail!(
                     "oaken: {what} has {} calibration quantiles, expected 4",
                     q.len()
