@@ -6,6 +6,8 @@
 //!   [`W4a4Config::outliers`] channels (the *tail*) stay INT8 in the weights (per output
 //!   channel) and in the activations (per token); the rest are symmetric INT4 groups of 128
 //!   (weights by GPTQ, activations per token at run time, clipped to 0.9 of the absmax).
+//!   GPTQ against clipped round to nearest (`W4a4Config::gptq`), measured on the default
+//!   model (BENCHMARKS.md "W4A4"): 32.68 against 34.67 on a part of WikiText-2.
 //! - `fmpq` (COMET's FMPQ, ASPLOS 2025): the same ranking gathers outlier channels into the
 //!   last blocks of 128; those blocks' activations are INT8, every other block INT4; all
 //!   weights INT4 (GPTQ).
