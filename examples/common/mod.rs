@@ -474,10 +474,14 @@ pub fn describe(s: &Session) -> Result<String> {
             .iter()
             .map(|(e, c)| format!("{c} -> {e}"))
             .collect();
-        line += &format!(
-            " | of {n} block layers, {} (rows not a multiple of 256)",
-            took.join(", ")
-        );
+        // candle's k-quants fall back on rows that are not a multiple of 256; other formats
+        // name their own variants (w4a4: its INT8 channels per layer).
+        use candle_lowbit::WeightFormat as F;
+        let why = match s.loaded.format {
+            F::Q4K | F::Q3K | F::Q2K => " (rows not a multiple of 256)",
+            _ => "",
+        };
+        line += &format!(" | of {n} block layers, {}{why}", took.join(", "));
     }
     let hd = s.loaded.config.hidden_size / s.loaded.config.num_attention_heads.max(1);
     line += &format!(
