@@ -366,31 +366,40 @@ pub fn quantize_activations(v: &[f32], m: usize, spec: &ActSpec) -> (Vec<i8>, Ve
     (codes, scales)
 }
 
+/// The fragment order of a packed 4-bit row of `k4` channels: for each byte, the channel
+/// in its high nibble and the one in its low nibble (`cuda/w4a4.cu`: word (t, s) of a
+/// block, byte j = `q[c0 + 4t + j] << 4 | q[c0 + 16 + 4t + j]`).
+fn w4_index(k4: usize) -> Vec<(usize, usize)> {
+    let mut idx = vec![(0, 0); k4 / 2];
+    for b in 0..blocks(k4) {
+        let start = b * BLOCK;
+        let nc = (BLOCK.min(k4 - start)) / 32;
+        for t in 0..4 {
+            for s in 0..nc {
+                let c0 = start + 32 * s;
+                for j in 0..4 {
+                    idx[start / 2 + (t * nc + s) * 4 + j] = (c0 + 4 * t + j, c0 + 16 + 4 * t + j);
+                }
+            }
+        }
+    }
+    idx
+}
+
 /// Pack 4-bit codes (i8 in `-8..=7`) `[n, k4]` into `[n, k4 / 2]` bytes of fragment order.
 pub fn pack_w4(q: &[i8], n: usize, k4: usize) -> Result<Vec<u8>> {
     if q.len() != n * k4 || !k4.is_multiple_of(32) {
         candle_core::bail!("pack_w4: {} codes for [{n}, {k4}]", q.len())
     }
+    if let Some(i) = q.iter().position(|c| !(-8..=7).contains(c)) {
+        candle_core::bail!("pack_w4: code {} outside -8..=7 in row {}", q[i], i / k4)
+    }
+    let idx = w4_index(k4);
     let mut out = vec![0u8; n * k4 / 2];
     for r in 0..n {
         let row = &q[r * k4..(r + 1) * k4];
-        let dst = &mut out[r * k4 / 2..(r + 1) * k4 / 2];
-        for b in 0..blocks(k4) {
-            let start = b * BLOCK;
-            let nc = (BLOCK.min(k4 - start)) / 32;
-            for t in 0..4 {
-                for s in 0..nc {
-                    let c0 = start + 32 * s;
-                    for j in 0..4 {
-                        let (hi, lo) = (row[c0 + 4 * t + j], row[c0 + 16 + 4 * t + j]);
-                        if !(-8..=7).contains(&hi) || !(-8..=7).contains(&lo) {
-                            candle_core::bail!("pack_w4: code outside -8..=7 in row {r}")
-                        }
-                        dst[start / 2 + (t * nc + s) * 4 + j] =
-                            ((hi as u8) << 4) | ((lo as u8) & 0xF);
-                    }
-                }
-            }
+        for (byte, &(hi, lo)) in out[r * k4 / 2..(r + 1) * k4 / 2].iter_mut().zip(&idx) {
+            *byte = ((row[hi] as u8) << 4) | ((row[lo] as u8) & 0xF);
         }
     }
     Ok(out)
@@ -398,22 +407,13 @@ pub fn pack_w4(q: &[i8], n: usize, k4: usize) -> Result<Vec<u8>> {
 
 /// The inverse of [`pack_w4`].
 pub fn unpack_w4(p: &[u8], n: usize, k4: usize) -> Vec<i8> {
+    let idx = w4_index(k4);
     let mut q = vec![0i8; n * k4];
     for r in 0..n {
-        let src = &p[r * k4 / 2..(r + 1) * k4 / 2];
-        for b in 0..blocks(k4) {
-            let start = b * BLOCK;
-            let nc = (BLOCK.min(k4 - start)) / 32;
-            for t in 0..4 {
-                for s in 0..nc {
-                    let c0 = start + 32 * s;
-                    for j in 0..4 {
-                        let byte = src[start / 2 + (t * nc + s) * 4 + j];
-                        q[r * k4 + c0 + 4 * t + j] = (byte as i8) >> 4;
-                        q[r * k4 + c0 + 16 + 4 * t + j] = ((byte << 4) as i8) >> 4;
-                    }
-                }
-            }
+        let row = &mut q[r * k4..(r + 1) * k4];
+        for (&byte, &(hi, lo)) in p[r * k4 / 2..(r + 1) * k4 / 2].iter().zip(&idx) {
+            row[hi] = (byte as i8) >> 4;
+            row[lo] = ((byte << 4) as i8) >> 4;
         }
     }
     q
