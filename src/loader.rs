@@ -33,8 +33,9 @@ pub struct Loaded {
 }
 
 impl Loaded {
-    /// The linear layers of the blocks whose encoding is not the format's own (candle's
-    /// k-quants fall back to a block-32 format for rows not a multiple of 256), by encoding.
+    /// The linear layers of the blocks whose encoding is not named as the format (candle's
+    /// k-quants fall back to a block-32 format for rows not a multiple of 256; W4A4 layers
+    /// name their INT8 channels), by encoding.
     pub fn fallbacks(&self) -> Vec<(String, usize)> {
         let mut out: Vec<(String, usize)> = vec![];
         let layers = self.model.linears();

@@ -775,8 +775,10 @@ impl LinearWeights for W4a4Weights {
         self.w4.elem_count() + self.k8w * n + 2 * self.scales_t.elem_count() + perm + 16
     }
 
+    /// The name, and the INT8 activation channels where there are any (`w4a4`: also its
+    /// INT8 weight channels; `fmpq`: its INT8 blocks).
     fn encoding(&self) -> String {
-        match self.k8w {
+        match self.shape.1 - self.act.kn {
             0 => self.format.name().to_string(),
             t => format!("{} ({t} INT8 channels)", self.format.name()),
         }
