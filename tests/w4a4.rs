@@ -202,7 +202,7 @@ fn forward_matches_the_dequantized_product() -> Result<()> {
             for m in [1usize, 5, 70] {
                 let (x, _) = outlier_inputs(seed as u64 * 31 + m as u64, m, k, &dev)?;
                 let y = q.forward(&x)?;
-                let InputEncodingSpec(sp) = spec_of(q.as_ref());
+                let sp = spec_of(q.as_ref());
                 let (_, a) = w4a4_quantize(ActSource::Plain(&x), &sp)?;
                 let r = a.dequantize()?.matmul(&wd.t()?)?;
                 let scale = r.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -213,11 +213,9 @@ fn forward_matches_the_dequantized_product() -> Result<()> {
     Ok(())
 }
 
-struct InputEncodingSpec(Arc<ActSpec>);
-
-fn spec_of(q: &dyn LinearWeights) -> InputEncodingSpec {
+fn spec_of(q: &dyn LinearWeights) -> Arc<ActSpec> {
     match q.input_encoding() {
-        candle_lowbit::formats::InputEncoding::W4a4(s) => InputEncodingSpec(s),
+        candle_lowbit::formats::InputEncoding::W4a4(s) => s,
         e => panic!("a W4A4 layer reads {e:?}"),
     }
 }
@@ -238,7 +236,7 @@ fn outlier_channels_are_ranked_last_and_cut_the_error() -> Result<()> {
         let q = quantize(f, &w, &cal)?;
         let e = rel_err(&q.forward(&x)?, &exact)?;
         assert!(e < f.spec().error_bound, "{f}: error {e}");
-        let sp = spec_of(q.as_ref()).0;
+        let sp = spec_of(q.as_ref());
         if f != WeightFormat::W4a4Rtn {
             let perm = sp.perm_vec()?;
             let tail: Vec<usize> = perm[sp.kn..].iter().map(|&c| c as usize).collect();
@@ -292,7 +290,7 @@ fn atom_outlier_count_rounds_to_whole_blocks() -> Result<()> {
         let w = randn(k as u64, &[16, k], 0.1, DType::F32, &dev)?;
         let (cal, _) = outlier_inputs(7, 64, k, &dev)?;
         let q = quantize(WeightFormat::W4a4, &w, &cal)?;
-        assert_eq!(spec_of(q.as_ref()).0.kn, want_kn, "k {k}");
+        assert_eq!(spec_of(q.as_ref()).kn, want_kn, "k {k}");
         let t = q.tensors()?;
         let w8 = t
             .iter()

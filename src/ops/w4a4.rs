@@ -10,6 +10,7 @@
 //! On the CPU both run the format module's references.
 
 use super::contiguous_slice;
+use super::decode::{cpu_f32, cpu_storage_as};
 use super::kv_quant::round_to;
 use crate::formats::w4a4::{
     blocks, matmul_ref, quantize_activations, scales_block_major, scales_token_major, ActSpec,
@@ -47,40 +48,21 @@ pub enum ActSource<'a> {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
+pub(super) enum Mode {
     Plain = 0,
     RmsNorm = 1,
     AddRmsNorm = 2,
     SiluMul = 3,
 }
 
-/// The raw bytes of a contiguous tensor of any dtype, on the CPU.
+/// The raw bytes of a contiguous tensor (u8, u32 or a float dtype), on the CPU.
 pub fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let t = t.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
-    Ok(match t.dtype() {
-        DType::U8 => t.to_vec1::<u8>()?,
-        DType::U32 => t
-            .to_vec1::<u32>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        DType::F32 => t
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        DType::F16 => t
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        dt => candle_core::bail!("tensor_bytes: unsupported dtype {dt:?}"),
-    })
+    let (st, l) = t.storage_and_layout();
+    match &*st {
+        candle_core::Storage::Cpu(s) => cpu_bytes(s, l),
+        _ => candle_core::bail!("tensor_bytes: the tensor did not come to the CPU"),
+    }
 }
 
 /// Quantize `src` for a projection reading `spec`. Returns the residual sum (for
@@ -155,15 +137,15 @@ pub fn w4a4_quantize(src: ActSource, spec: &Arc<ActSpec>) -> Result<(Option<Tens
 }
 
 pub(super) struct Quantize {
-    spec: Arc<ActSpec>,
-    mode: Mode,
-    m: usize,
-    eps: f32,
+    pub(super) spec: Arc<ActSpec>,
+    pub(super) mode: Mode,
+    pub(super) m: usize,
+    pub(super) eps: f32,
 }
 
 impl Quantize {
     /// Elements of the flat output: the sum (add mode) then the codes and scales.
-    fn out_len(&self, dt: DType) -> (usize, usize) {
+    pub(super) fn out_len(&self, dt: DType) -> (usize, usize) {
         let k = self.spec.k;
         let sum = if self.mode == Mode::AddRmsNorm {
             self.m * k
@@ -211,21 +193,6 @@ impl Quantize {
         }
         (v, sum)
     }
-}
-
-fn to_f32_vec(s: &CpuStorage, l: &Layout, what: &str) -> Result<Vec<f32>> {
-    Ok(match s {
-        CpuStorage::F32(_) => contiguous_slice::<f32>(s, l, what)?.to_vec(),
-        CpuStorage::F16(_) => contiguous_slice::<half::f16>(s, l, what)?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        CpuStorage::BF16(_) => contiguous_slice::<half::bf16>(s, l, what)?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        _ => candle_core::bail!("{what}: unsupported dtype {:?}", s.dtype()),
-    })
 }
 
 /// A flat CPU storage of `dt` holding `vals` (each rounded to `dt`) then `bytes`
@@ -281,9 +248,9 @@ impl CustomOp3 for Quantize {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dt = s1.dtype();
-        let x = to_f32_vec(s1, l1, "x")?;
-        let res = to_f32_vec(s2, l2, "res")?;
-        let w = to_f32_vec(s3, l3, "w")?;
+        let x = cpu_f32(s1, l1)?;
+        let res = cpu_f32(s2, l2)?;
+        let w = cpu_f32(s3, l3)?;
         let (v, sum) = self.values(&x, &res, &w, dt);
         let (m, k) = (self.m, self.spec.k);
         let perm = self.spec.perm_vec()?;
@@ -370,7 +337,7 @@ impl CustomOp1 for Matmul {
         let sa = scales_token_major(&bytes[m * k..QuantAct::bytes(m, k)], m, blocks(k));
         let (wq, sw) = self.w.codes()?;
         let y = matmul_ref(&a, &sa, &wq, &sw, (m, n, k));
-        Ok((storage_of(self.dtype, &y, &[])?, Shape::from((m, n))))
+        Ok((cpu_storage_as(y, self.dtype), Shape::from((m, n))))
     }
 
     #[cfg(feature = "cuda")]
@@ -383,10 +350,14 @@ impl CustomOp1 for Matmul {
     }
 }
 
-/// The bytes of a contiguous CPU storage region.
+/// The bytes of a contiguous CPU storage region (u8, u32, f32, f16, bf16).
 fn cpu_bytes(s: &CpuStorage, l: &Layout) -> Result<Vec<u8>> {
     Ok(match s {
         CpuStorage::U8(_) => contiguous_slice::<u8>(s, l, "act")?.to_vec(),
+        CpuStorage::U32(_) => contiguous_slice::<u32>(s, l, "act")?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
         CpuStorage::F32(_) => contiguous_slice::<f32>(s, l, "act")?
             .iter()
             .flat_map(|v| v.to_le_bytes())
@@ -399,24 +370,6 @@ fn cpu_bytes(s: &CpuStorage, l: &Layout) -> Result<Vec<u8>> {
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect(),
-        _ => candle_core::bail!("w4a4: activation buffer of dtype {:?}", s.dtype()),
+        _ => candle_core::bail!("w4a4: a buffer of dtype {:?}", s.dtype()),
     })
-}
-
-/// `blocks(k)` re-exported for the launcher.
-#[cfg(feature = "cuda")]
-pub(super) fn nb(k: usize) -> usize {
-    blocks(k)
-}
-
-// The launcher reads these.
-#[cfg(feature = "cuda")]
-impl Quantize {
-    pub(super) fn parts(&self) -> (&ActSpec, i32, usize, f32) {
-        (&self.spec, self.mode as i32, self.m, self.eps)
-    }
-
-    pub(super) fn len(&self, dt: DType) -> (usize, usize) {
-        self.out_len(dt)
-    }
 }

@@ -1,6 +1,7 @@
 //! CUDA launchers of `cuda/w4a4.cu`. Shapes and dtypes are validated in `w4a4.rs`.
 
-use super::w4a4::{nb, Matmul, Quantize, W4A4_SKINNY_MAX_M};
+use super::w4a4::{Matmul, Quantize, W4A4_SKINNY_MAX_M};
+use crate::formats::w4a4::blocks as nb;
 use crate::formats::LinearWeights;
 use crate::kernels::{contiguous_view, dtype_suffix, launch_params, ptx, raw_ptr, with_view};
 use candle_core::backend::BackendStorage;
@@ -91,8 +92,8 @@ pub(super) fn quantize(
     let dev = s1.device().clone();
     let stream = dev.cuda_stream();
     let dt = s1.dtype();
-    let (spec, mode, m, eps) = op.parts();
-    let (sum_elems, len) = op.len(dt);
+    let (spec, mode, m, eps) = (&op.spec, op.mode as i32, op.m, op.eps);
+    let (sum_elems, len) = op.out_len(dt);
     let out = alloc_bytes(&dev, dt, len)?;
     let out_layout = Layout::contiguous(len);
     let name = format!("w4a4_quant_{}", dtype_suffix(dt)?);
