@@ -48,10 +48,13 @@
 //                  than the tiled kernel above m = 16): a block per 8 weight rows, its 8 warps split the k
 //                  blocks; weights read straight from global (16-byte loads), each warp's
 //                  next SKINNY_DEPTH blocks of codes and scales in flight at once.
-//   w4a4_gemm_T    large m: 128 x 128 tiles, 16 warps (32 x 32 each), one k block and
-//                  its scales per pipeline stage (3 stages of cp.async), ldmatrix on
-//                  swizzled activations, int32 per block rescaled into f32 accumulators
-//                  (int to float by the 2^23 trick: I2F is quarter rate on sm_90).
+//   w4a4_gemm_T    large m, builds without wgmma: 128 x 128 tiles, 16 warps (32 x 32
+//                  each), one k block and its scales per pipeline stage (3 stages of
+//                  cp.async), ldmatrix on swizzled activations, int32 per block rescaled
+//                  into f32 accumulators (int to float by the 2^23 trick: I2F is quarter
+//                  rate on sm_90).
+//   w4a4_wgmma_T_x1, _x2  large m on sm_90a: warpgroup MMA, 128 weight rows x 64 tokens,
+//                  split-k where the grid is small (see "Warpgroup GEMM" below).
 // Launched with programmatic dependent launch (pdl_wait before reading what an earlier
 // kernel wrote).
 #include "common.cuh"
@@ -67,7 +70,10 @@ struct GemmParams {
     const uint8_t* w8;    // [n, k8w] (null when k8w == 0)
     const __half* sw;     // sw_t [nb, np]
     void* y;              // [m, n] T
+    float* ws;            // wgmma split-k: f32 partial tiles [tiles][splits][256 threads][BN / 2]
+    uint32_t* counters;   // wgmma split-k: [tiles] arrivals, zero at launch (left zero)
     int m, n, k, kn, k8w, nb, np;
+    int splits;           // wgmma: k blocks cut into this many ranges (gridDim.z)
 };
 
 // Mirrors `QuantParams` in src/ops/w4a4.rs (repr(C)).
@@ -583,6 +589,365 @@ __device__ void w4a4_gemm(const GemmParams& p) {
             }
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Warpgroup GEMM (large m, sm_90a): wgmma.mma_async m64nBNk32 s8 with the weights as the
+// register operand A (unpacked from 4 bits by two ops per word, the fragments of mma.sync's
+// B are those of wgmma's A) and the activations as the shared-memory operand B (K-major,
+// 128-byte swizzle: the layout gemm_load_impl writes). D = W · Xᵀ: thread (warp w of its
+// warpgroup, g, t) holds the int32 sums of weight rows 16 w + g (+ 8) and tokens 8 j + 2 t
+// (+ 1).
+//
+// CTA: 2 warpgroups (256 threads), 128 weight rows x BN = 64 tokens (128 measured no faster
+// at m = 2048 and slower at 11008 x 4096; it spilled), stages of cp.async (a stage: BN x
+// 128 activation bytes, 128 weight rows, both rows' scales). Two variants (DUAL):
+//   one CTA per SM, 8 stages, two sets of int32 sums per thread: block b + 1 runs on the
+//     tensor cores while block b is rescaled into the f32 accumulators (small grids);
+//   two CTAs per SM, 4 stages, one set: the other CTA fills the gaps (large grids).
+// Split-k (gridDim.z > 1, for grids too small to fill the GPU): CTA z takes a range of
+// k blocks, writes its f32 tile to `ws`, and the last CTA of a tile to arrive sums them.
+
+#define WG_THREADS 256
+
+template <int BN>
+struct WgTile {
+    // Stages in flight (a step waits for the block loaded STAGES - 2 steps before): as
+    // many as ~200 KiB of shared memory per SM hold.
+    template <bool DUAL>
+    static constexpr int stages() { return DUAL ? 8 : 4; }
+    static constexpr int A = BN * 128;                       // activation codes, swizzled
+    static constexpr int B = 128 * 128;                      // weight rows (8-bit tail: 128 B)
+    static constexpr int SA = BN * 4;                        // activation scales (f32)
+    static constexpr int SW = 128 * 2;                       // weight scales (f16)
+    static constexpr int STAGE = (A + B + SA + SW + 1023) / 1024 * 1024;  // 1024-aligned (swizzle)
+};
+
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of `d` across a wgmma wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(int (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 B apart.
+__device__ __forceinline__ uint64_t smem_desc(const void* p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_n64(int (&d)[32], const uint32_t (&a)[4], uint64_t desc,
+                                           int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+#endif
+
+template <int BN>
+__device__ __forceinline__ void wgmma_block(int (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc,
+                                            int accumulate) {
+    static_assert(BN == 64, "wgmma_block: 64 tokens per CTA");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wgmma_n64(d, a, desc, accumulate);
+#endif
+}
+
+// Block b (of the CTA's [.., hi)) into a stage: activations (BN rows, swizzled), weights
+// (128 rows as stored: 16 nc bytes per row, 32 nc for 8-bit blocks), both rows' scales.
+// Thread tid copies activation chunk tid % 8 of rows tid / 8 + 32 j, and (whole 4-bit
+// blocks) weight chunk tid % 4 of rows tid / 4 + 64 j: a few adds per copy. 8-bit and
+// short blocks (at most two per row) take a general path.
+template <int BN>
+__device__ __forceinline__ void wg_load(const GemmParams& p, int b, int hi, uint8_t* stage, int m0,
+                                        int n0) {
+    if (b >= hi) return;
+    int start, nc;
+    block_span(b, p.k, start, nc);
+    const int k4 = p.k - p.k8w;
+    const bool w8 = start >= k4;
+    const int tid = threadIdx.x;
+    {
+        const int ar = tid >> 3, ac = tid & 7;
+        const uint8_t* src = p.act + (size_t)(m0 + ar) * p.k + start + 16 * ac;
+        uint8_t* dst = stage + ar * 128 + ((ac ^ (ar & 7)) << 4);  // 32 j keeps r & 7
+        const bool in_block = ac < 2 * nc;  // chunks past the end: the weights there are zero
+#pragma unroll
+        for (int j = 0; j < BN / 32; ++j) {
+            const bool ok = m0 + ar + 32 * j < p.m;
+            if (in_block) cp_async16(dst + j * 32 * 128, ok ? src + (size_t)j * 32 * p.k : p.act, ok);
+        }
+    }
+    uint8_t* sb = stage + WgTile<BN>::A;
+    if (nc == 4 && !w8) {
+        const int wr = tid >> 2, wc = tid & 3;
+        const size_t stride = (size_t)(k4 / 2);
+        const uint8_t* src = p.w4 + (size_t)(n0 + wr) * stride + start / 2 + 16 * wc;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const bool ok = n0 + wr + 64 * j < p.n;
+            cp_async16(sb + (wr + 64 * j) * 64 + 16 * wc, ok ? src + j * 64 * stride : p.w4, ok);
+        }
+    } else {
+        const int b_chunks = w8 ? 2 * nc : nc;
+        const uint8_t* wbase = w8 ? p.w8 + (start - k4) : p.w4 + start / 2;
+        const size_t wstride = w8 ? (size_t)p.k8w : (size_t)(k4 / 2);
+        for (int i = tid; i < 128 * b_chunks; i += WG_THREADS) {
+            const int r = i / b_chunks, c = i % b_chunks;
+            const bool ok = n0 + r < p.n;
+            cp_async16(sb + r * (b_chunks * 16) + 16 * c, wbase + (ok ? n0 + r : 0) * wstride + 16 * c, ok);
+        }
+    }
+    uint8_t* scales = stage + WgTile<BN>::A + WgTile<BN>::B;
+    if (tid < BN) {
+        const float* sact = reinterpret_cast<const float*>(p.act + (size_t)p.m * p.k);
+        const bool ok = m0 + tid < p.m;
+        cp_async4(scales + 4 * tid, sact + (size_t)b * p.m + (ok ? m0 + tid : 0), ok);
+    } else if (tid < BN + 16) {
+        const int j = tid - BN;
+        const bool ok = n0 + 8 * j < p.np;  // the padded rows hold zeros
+        cp_async16(scales + WgTile<BN>::SA + 16 * j, p.sw + (size_t)b * p.np + (ok ? n0 + 8 * j : 0), ok);
+    }
+}
+
+// Issue block b's wgmmas (one per 32 columns) into d; not waited for.
+template <int BN>
+__device__ __forceinline__ void wg_issue(const GemmParams& p, int b, const uint8_t* stage,
+                                         int (&d)[BN / 2]) {
+    int start, nc;
+    block_span(b, p.k, start, nc);
+    const bool w8 = start >= p.k - p.k8w;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = warp * 16 + g;  // weight row in the CTA tile (warpgroup 1: warps 4..7)
+    const uint8_t* sb = stage + WgTile<BN>::A;
+    // The row's words of slot t: 4-bit w[s] (nc of them), 8-bit w[2s], w[2s + 1] (2 nc).
+    const int words = w8 ? 2 * nc : nc;
+    const int rb = 4 * words * 4;  // row bytes
+    uint32_t a[4][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(sb + (r0 + 8 * h) * rb + t * 4 * words);
+        uint32_t w[8];
+        if (words == 4) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src);
+            w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+            w[4] = w[5] = w[6] = w[7] = 0u;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[i] = i < words ? src[i] : 0u;
+        }
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            a[s][h] = w8 ? w[2 * s] : w[s] & 0xF0F0F0F0u;
+            a[s][h + 2] = w8 ? w[2 * s + 1] : (w[s] << 4) & 0xF0F0F0F0u;
+        }
+    }
+    wgmma_fence();
+    fence_regs(d);
+    // Always four: past a short block's end the weight fragments are zero (whatever the
+    // stage holds there), and straight-line wgmmas stay asynchronous.
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma_block<BN>(d, a[s], smem_desc(stage + 32 * s), s > 0);
+    wgmma_commit();
+    fence_regs(d);
+}
+
+// Block b's int32 sums times both scales into acc (stage b still holds the scales).
+template <int BN>
+__device__ __forceinline__ void wg_rescale(const GemmParams& p, int b, const uint8_t* stage,
+                                           const int (&d)[BN / 2], float (&acc)[BN / 2]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = warp * 16 + g;
+    const float* ssa = reinterpret_cast<const float*>(stage + WgTile<BN>::A + WgTile<BN>::B);
+    const __half* ssw = reinterpret_cast<const __half*>(stage + WgTile<BN>::A + WgTile<BN>::B +
+                                                        WgTile<BN>::SA);
+    const bool w8 = b * 128 >= p.k - p.k8w;
+    const float f = w8 ? 1.f : 0.0625f;
+    const float w0 = __half2float(ssw[r0]) * f, w1 = __half2float(ssw[r0 + 8]) * f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const float2 s = *reinterpret_cast<const float2*>(ssa + 8 * j + 2 * t);
+        acc[4 * j + 0] = fmaf(i2f(d[4 * j + 0]), w0 * s.x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(i2f(d[4 * j + 1]), w0 * s.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(i2f(d[4 * j + 2]), w1 * s.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(i2f(d[4 * j + 3]), w1 * s.y, acc[4 * j + 3]);
+    }
+}
+
+// The CTA's k blocks are lo + i, i in [0, cnt); block i sits in stage i % STAGES.
+struct WgRange {
+    int lo, cnt;
+};
+
+// Make block i + 1's stage visible to the tensor cores and refill the stage block i - 1
+// used (its wgmmas and scale reads are done) with block i + STAGES - 1.
+template <int BN, int N>
+__device__ __forceinline__ void wg_advance(const GemmParams& p, WgRange r, int i, uint8_t* smem,
+                                           int m0, int n0) {
+    constexpr int S = WgTile<BN>::STAGE;
+    cp_async_wait<N - 3>();  // block i + 1 landed (this thread's copies)
+    fence_proxy_async();
+    __syncthreads();  // everyone's copies; everyone done with block i - 1's stage
+    wg_load<BN>(p, r.lo + i + N - 1, r.lo + r.cnt, smem + ((i + N - 1) % N) * S, m0, n0);
+    cp_async_commit();
+}
+
+// The split-k reduction: every CTA of a tile but the last writes its partial sums and
+// leaves (false); the last adds the others' into `acc` (true).
+template <int BN>
+__device__ __forceinline__ bool wg_reduce(const GemmParams& p, float (&acc)[BN / 2]) {
+    __shared__ uint32_t arrived;
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float* mine = p.ws + (((size_t)tile * p.splits + blockIdx.z) * WG_THREADS + threadIdx.x) * (BN / 2);
+#pragma unroll
+    for (int i = 0; i < BN / 2; i += 4)
+        *reinterpret_cast<float4*>(mine + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) arrived = atomicAdd(p.counters + tile, 1u);
+    __syncthreads();
+    if (arrived != (uint32_t)p.splits - 1) return false;
+    __threadfence();
+    for (int z = 0; z < p.splits; ++z) {
+        if (z == (int)blockIdx.z) continue;
+        const float* other = p.ws + (((size_t)tile * p.splits + z) * WG_THREADS + threadIdx.x) * (BN / 2);
+#pragma unroll
+        for (int i = 0; i < BN / 2; i += 4) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(other + i));
+            acc[i] += v.x; acc[i + 1] += v.y; acc[i + 2] += v.z; acc[i + 3] += v.w;
+        }
+    }
+    if (threadIdx.x == 0) p.counters[tile] = 0;  // zero again for the next launch
+    return true;
+}
+
+template <typename T, int BN, bool DUAL>
+__device__ void w4a4_wgmma(const GemmParams& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(128) uint8_t smem_raw[];
+    // The 128-byte swizzle is a function of address bits 4..9: stages start on 1 KiB.
+    uint8_t* smem = smem_raw + ((1024 - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+    constexpr int S = WgTile<BN>::STAGE, N = WgTile<BN>::template stages<DUAL>();
+    const int m0 = blockIdx.y * BN, n0 = blockIdx.x * 128;
+    WgRange r;
+    r.lo = (int)(((long long)p.nb * blockIdx.z) / p.splits);
+    r.cnt = (int)(((long long)p.nb * (blockIdx.z + 1)) / p.splits) - r.lo;
+    pdl_trigger();
+    pdl_wait();
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+
+#pragma unroll 1
+    for (int s = 0; s < N - 1; ++s) {
+        wg_load<BN>(p, r.lo + s, r.lo + r.cnt, smem + s * S, m0, n0);
+        cp_async_commit();
+    }
+    if constexpr (DUAL) {
+        int c0[BN / 2], c1[BN / 2];
+        cp_async_wait<N - 2>();
+        fence_proxy_async();
+        __syncthreads();
+        // Block i + 1 goes to the tensor cores before block i is rescaled. Straight-line
+        // pairs (c0 holds even blocks, c1 odd ones), so that ptxas sees every read of a set
+        // after the wait that completes it and keeps the wgmmas asynchronous.
+        wg_issue<BN>(p, r.lo, smem, c0);
+        int i = 0;
+        for (; i + 2 < r.cnt; i += 2) {
+            wg_advance<BN, N>(p, r, i, smem, m0, n0);
+            wg_issue<BN>(p, r.lo + i + 1, smem + ((i + 1) % N) * S, c1);
+            wgmma_wait<1>();
+            fence_regs(c0);
+            wg_rescale<BN>(p, r.lo + i, smem + (i % N) * S, c0, acc);
+            wg_advance<BN, N>(p, r, i + 1, smem, m0, n0);
+            wg_issue<BN>(p, r.lo + i + 2, smem + ((i + 2) % N) * S, c0);
+            wgmma_wait<1>();
+            fence_regs(c1);
+            wg_rescale<BN>(p, r.lo + i + 1, smem + ((i + 1) % N) * S, c1, acc);
+        }
+        if (i + 1 < r.cnt) {
+            wg_advance<BN, N>(p, r, i, smem, m0, n0);
+            wg_issue<BN>(p, r.lo + i + 1, smem + ((i + 1) % N) * S, c1);
+            wgmma_wait<1>();
+            fence_regs(c0);
+            wg_rescale<BN>(p, r.lo + i, smem + (i % N) * S, c0, acc);
+            wgmma_wait<0>();
+            fence_regs(c1);
+            wg_rescale<BN>(p, r.lo + i + 1, smem + ((i + 1) % N) * S, c1, acc);
+        } else {
+            wgmma_wait<0>();
+            fence_regs(c0);
+            wg_rescale<BN>(p, r.lo + i, smem + (i % N) * S, c0, acc);
+        }
+    } else {
+        int c[BN / 2];
+#pragma unroll 1
+        for (int i = 0; i < r.cnt; ++i) {
+            cp_async_wait<N - 2>();  // block i landed (this thread's copies)
+            fence_proxy_async();
+            __syncthreads();  // everyone's copies; everyone done with block i - 1's stage
+            wg_load<BN>(p, r.lo + i + N - 1, r.lo + r.cnt, smem + ((i + N - 1) % N) * S, m0, n0);
+            cp_async_commit();
+            wg_issue<BN>(p, r.lo + i, smem + (i % N) * S, c);
+            wgmma_wait<0>();
+            fence_regs(c);
+            wg_rescale<BN>(p, r.lo + i, smem + (i % N) * S, c, acc);
+        }
+    }
+    cp_async_wait<0>();
+    if (p.splits > 1 && !wg_reduce<BN>(p, acc)) return;
+    __syncthreads();  // every stage read: the tile is staged through them
+
+    // Epilogue: the tile transposed through shared memory ([token][row], rows padded by 16
+    // bytes so the four t of a warp hit distinct banks), then 16-byte rows of y.
+    constexpr int CH = 16 / sizeof(T);  // elements per 16-byte chunk
+    constexpr int LD = 128 + CH;
+    T* tile = reinterpret_cast<T*>(smem);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            tile[(8 * j + 2 * t + (e & 1)) * LD + warp * 16 + g + (e >= 2 ? 8 : 0)] =
+                from_f32<T>(acc[4 * j + e]);
+    __syncthreads();
+    T* y = static_cast<T*>(p.y);
+    const bool vec = p.n % CH == 0;
+    for (int c = threadIdx.x; c < BN * (128 / CH); c += WG_THREADS) {
+        const int ti = c / (128 / CH), tr = (c % (128 / CH)) * CH;
+        const int gi = m0 + ti, gr = n0 + tr;
+        if (gi >= p.m || gr >= p.n) continue;
+        const T* src = tile + ti * LD + tr;
+        T* dst = y + (size_t)gi * p.n + gr;
+        if (vec && gr + CH <= p.n) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < CH && gr + e < p.n; ++e) dst[e] = src[e];
+        }
+    }
+#else
+    __trap();  // built for an architecture without wgmma: the host never launches this
+#endif
+}
+
 }  // namespace
 
 #define W4A4_KERNELS(SUF, T)                                                                  \
@@ -597,6 +962,14 @@ __device__ void w4a4_gemm(const GemmParams& p) {
     extern "C" __global__ void __launch_bounds__(512, 1) w4a4_gemm_##SUF(                    \
         const __grid_constant__ GemmParams p) {                                               \
         w4a4_gemm<T>(p);                                                                      \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 1) w4a4_wgmma_##SUF##_x1(              \
+        const __grid_constant__ GemmParams p) {                                               \
+        w4a4_wgmma<T, 64, true>(p);                                                           \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2) w4a4_wgmma_##SUF##_x2(              \
+        const __grid_constant__ GemmParams p) {                                               \
+        w4a4_wgmma<T, 64, false>(p);                                                          \
     }
 
 W4A4_KERNELS(f32, float)

@@ -486,7 +486,7 @@ fn logits(m: &candle_lowbit::Llama, cfg: &candle_lowbit::Config, ids: &Tensor) -
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use candle_lowbit::ops::w4a4_matmul;
+    use candle_lowbit::ops::{w4a4_matmul, w4a4_matmul_with, W4a4Kernel};
 
     fn gpu() -> Result<Device> {
         Ok(Device::new_cuda(0)?)
@@ -555,7 +555,14 @@ mod gpu {
         Ok(())
     }
 
-    /// The GEMMs (skinny and tiled) with unit scales: the output is the integer sum itself,
+    const KERNELS: [W4a4Kernel; 4] = [
+        W4a4Kernel::Skinny,
+        W4a4Kernel::Mma,
+        W4a4Kernel::Wgmma { ctas_per_sm: 1 },
+        W4a4Kernel::Wgmma { ctas_per_sm: 2 },
+    ];
+
+    /// Every GEMM kernel this build has (skinny, mma.sync tiles, wgmma) with unit scales: the output is the integer sum itself,
     /// which must equal the CPU's exactly; every m up to 16 and larger ones, 4-bit only and
     /// with an 8-bit tail, odd shapes.
     #[test]
@@ -609,14 +616,16 @@ mod gpu {
                     DType::F32,
                 )?;
                 let want = w4a4_matmul(&a, &wc, DType::F32)?;
-                let got = w4a4_matmul(&b, &wg, DType::F32)?.to_device(&cpu)?;
-                assert_close(
-                    &got,
-                    &want,
-                    0.0,
-                    0.0,
-                    &format!("[{n}, {k}] tail8 {tail8} m {m}"),
-                )?;
+                for kernel in KERNELS.iter().filter(|kr| kr.available(m)) {
+                    let got = w4a4_matmul_with(&b, &wg, DType::F32, *kernel)?.to_device(&cpu)?;
+                    assert_close(
+                        &got,
+                        &want,
+                        0.0,
+                        0.0,
+                        &format!("[{n}, {k}] tail8 {tail8} m {m} {kernel:?}"),
+                    )?;
+                }
             }
         }
         Ok(())

@@ -22,7 +22,10 @@ pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
 pub use tiles::{tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_MAX_M};
 pub use uniform::{uniform_dequantize, uniform_pack};
-pub use w4a4::{tensor_bytes, w4a4_matmul, w4a4_quantize, ActSource, W4A4_SKINNY_MAX_M};
+pub use w4a4::{
+    tensor_bytes, w4a4_matmul, w4a4_matmul_with, w4a4_quantize, ActSource, W4a4Kernel,
+    W4A4_SKINNY_MAX_M,
+};
 
 /// The elements of a contiguous CPU tensor (the CPU references' input), or an error naming
 /// `what` and its layout.

@@ -5,7 +5,8 @@
 //!   the op before it ([`ActSource`]: add + RMSNorm, RMSNorm, SiLU·mul, or nothing) and the
 //!   layer's channel permutation. One launch.
 //! - [`w4a4_matmul`]: the INT8-MMA GEMM over those codes. One launch: a skinny kernel for
-//!   `m <=` [`W4A4_SKINNY_MAX_M`], 128 × 128 tiles above.
+//!   `m <=` [`W4A4_SKINNY_MAX_M`], tiles above ([`W4a4Kernel`]: wgmma on sm_90a builds,
+//!   `mma.sync` elsewhere).
 //!
 //! On the CPU both run the format module's references.
 
@@ -20,10 +21,63 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use std::sync::Arc;
 
-/// Largest `m` the skinny GEMM takes (above it, the tiled one): measured on the H200, two or
+/// Largest `m` the skinny GEMM takes (above it, a tiled one): measured on the H200, two or
 /// four m16 tiles in the skinny kernel lost to the tiled one (11008 x 4096: m = 32 82 µs
 /// against 64 at m = 64 tiled).
 pub const W4A4_SKINNY_MAX_M: usize = 16;
+
+/// The GPU kernel that runs a W4A4 GEMM ([`w4a4_matmul`] picks one with
+/// [`W4a4Kernel::choose`]; [`w4a4_matmul_with`] takes it from the caller, for tests and the
+/// bench). The CPU runs the format's reference whatever the choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum W4a4Kernel {
+    /// One m16 tile, weights straight from global memory: `m <=` [`W4A4_SKINNY_MAX_M`].
+    Skinny,
+    /// `mma.sync` 128 × 128 tiles: any m, any sm_80+ build.
+    Mma,
+    /// `wgmma` over 128 weight rows × 64 tokens, `ctas_per_sm` (1: two sets of sums per
+    /// thread, 8 stages; 2: one set, 4 stages) resident per SM: builds for sm_90a.
+    Wgmma { ctas_per_sm: usize },
+}
+
+impl W4a4Kernel {
+    /// Whether this build's kernels can run `self` for `m` tokens.
+    pub fn available(self, m: usize) -> bool {
+        match self {
+            Self::Skinny => m <= W4A4_SKINNY_MAX_M,
+            Self::Mma => true,
+            Self::Wgmma { ctas_per_sm } => (ctas_per_sm == 1 || ctas_per_sm == 2) && wgmma_built(),
+        }
+    }
+
+    /// The kernel for `m` tokens and `n` weight rows: skinny up to
+    /// [`W4A4_SKINNY_MAX_M`]; above, wgmma where the build has it (one CTA per SM while the
+    /// 64-token tiles do not outnumber the H200's 132 SMs, two beyond: measured at
+    /// Llama-2-7B shapes), `mma.sync` tiles otherwise.
+    pub fn choose(m: usize, n: usize) -> Self {
+        if m <= W4A4_SKINNY_MAX_M {
+            Self::Skinny
+        } else if wgmma_built() {
+            let tiles = n.div_ceil(128) * m.div_ceil(64);
+            Self::Wgmma {
+                ctas_per_sm: if tiles <= 132 { 1 } else { 2 },
+            }
+        } else {
+            Self::Mma
+        }
+    }
+}
+
+/// Whether `cuda/w4a4.cu` was built for sm_90a (its wgmma kernels are real, not traps).
+fn wgmma_built() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        static BUILT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *BUILT.get_or_init(|| crate::kernels::ptx::W4A4.contains(".target sm_90a"))
+    }
+    #[cfg(not(feature = "cuda"))]
+    false
+}
 
 /// What [`w4a4_quantize`] quantizes: each `[.., k]` in f32/f16/bf16 (one dtype), `w` `[k]`.
 #[derive(Debug, Clone, Copy)]
@@ -284,7 +338,24 @@ impl CustomOp3 for Quantize {
 /// `a` (quantized for `w`) times `w`ᵀ: `[.., n]` in `dtype` (f32, f16, bf16).
 pub fn w4a4_matmul(a: &QuantAct, w: &W4a4Weights, dtype: DType) -> Result<Tensor> {
     use crate::formats::LinearWeights;
+    w4a4_matmul_with(a, w, dtype, W4a4Kernel::choose(a.m, w.shape().0))
+}
+
+/// [`w4a4_matmul`] on a given GPU kernel (an error where this build or `m` cannot run it).
+pub fn w4a4_matmul_with(
+    a: &QuantAct,
+    w: &W4a4Weights,
+    dtype: DType,
+    kernel: W4a4Kernel,
+) -> Result<Tensor> {
+    use crate::formats::LinearWeights;
     let (n, k) = w.shape();
+    if !kernel.available(a.m) {
+        candle_core::bail!(
+            "w4a4_matmul: kernel {kernel:?} cannot run m = {} in this build",
+            a.m
+        )
+    }
     if a.spec.k != k || a.spec.kn != w.act().kn {
         candle_core::bail!(
             "w4a4_matmul: activations of {} channels (INT8 from {}) for a [{n}, {k}] weight (INT8 from {})",
@@ -313,6 +384,7 @@ pub fn w4a4_matmul(a: &QuantAct, w: &W4a4Weights, dtype: DType) -> Result<Tensor
         w: w.clone(),
         m: a.m,
         dtype,
+        kernel,
     };
     a.buf.apply_op1_no_bwd(&op)?.reshape(dims)
 }
@@ -321,6 +393,8 @@ pub(super) struct Matmul {
     pub(super) w: W4a4Weights,
     pub(super) m: usize,
     pub(super) dtype: DType,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) kernel: W4a4Kernel,
 }
 
 impl CustomOp1 for Matmul {

@@ -1,6 +1,6 @@
 //! CUDA launchers of `cuda/w4a4.cu`. Shapes and dtypes are validated in `w4a4.rs`.
 
-use super::w4a4::{Matmul, Quantize, W4A4_SKINNY_MAX_M};
+use super::w4a4::{Matmul, Quantize, W4a4Kernel};
 use crate::formats::w4a4::blocks as nb;
 use crate::formats::LinearWeights;
 use crate::kernels::{contiguous_view, dtype_suffix, launch_params, ptx, raw_ptr, with_view};
@@ -41,6 +41,8 @@ struct GemmParams {
     w8: u64,
     sw: u64,
     y: u64,
+    ws: u64,
+    counters: u64,
     m: i32,
     n: i32,
     k: i32,
@@ -48,10 +50,40 @@ struct GemmParams {
     k8w: i32,
     nb: i32,
     np: i32,
+    splits: i32,
 }
 
 /// Tiled GEMM: 3 stages of activation codes, weight codes (16 KiB each) and their scales.
 const GEMM_SMEM: u32 = 3 * (2 * 16384 + 128 * 4 + 128 * 2);
+
+/// Warpgroup GEMM (`WgTile` in the .cu file): 8 (one CTA per SM) or 4 (two) stages of 64
+/// activation rows and 128 weight rows of 128 bytes and their scales, each stage rounded
+/// up to 1 KiB (the swizzle's alignment), plus 1 KiB to align the first.
+fn wgmma_smem(ctas_per_sm: usize) -> u32 {
+    let stage = (64usize * 128 + 128 * 128 + 64 * 4 + 128 * 2).div_ceil(1024) * 1024;
+    let stages = if ctas_per_sm == 1 { 8 } else { 4 };
+    (stages * stage + 1024) as u32
+}
+
+/// SMs of the H200.
+const SMS: usize = 132;
+
+/// Split-k ranges for a wgmma grid of `tiles` CTAs over `nb` k blocks, `per_sm` CTAs
+/// resident per SM: where the tiles alone leave SMs idle, the count (at most 8, at least 4
+/// blocks each) that minimizes waves per unit of work, ties to fewer.
+fn wgmma_splits(tiles: usize, nb: usize, per_sm: usize) -> usize {
+    let slots = SMS * per_sm;
+    if tiles >= 2 * slots {
+        return 1;
+    }
+    let cost = |s: usize| (tiles * s).div_ceil(slots) as f64 / s as f64;
+    (1..=8usize)
+        .filter(|&s| s == 1 || nb / s >= 4)
+        .fold(
+            1,
+            |best, s| if cost(s) < cost(best) - 1e-9 { s } else { best },
+        )
+}
 
 /// Run `f` with the device address of the bytes `l` describes in `s` (any dtype).
 fn with_bytes<R>(s: &CudaStorage, l: &Layout, f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
@@ -159,20 +191,46 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
         return Ok((out, Shape::from((m, n))));
     }
     let suf = dtype_suffix(op.dtype)?;
-    let (name, cfg) = if m <= W4A4_SKINNY_MAX_M {
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        (format!("w4a4_skinny_{suf}_m1"), cfg)
+    let (tiles, splits) = match op.kernel {
+        W4a4Kernel::Wgmma { ctas_per_sm } => {
+            let tiles = n.div_ceil(128) * m.div_ceil(64);
+            (tiles, wgmma_splits(tiles, nb(k), ctas_per_sm))
+        }
+        _ => (0, 1),
+    };
+    let (name, cfg) = match op.kernel {
+        W4a4Kernel::Skinny => (
+            format!("w4a4_skinny_{suf}_m1"),
+            LaunchConfig {
+                grid_dim: (n.div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        ),
+        W4a4Kernel::Mma => (
+            format!("w4a4_gemm_{suf}"),
+            LaunchConfig {
+                grid_dim: (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1),
+                block_dim: (512, 1, 1),
+                shared_mem_bytes: GEMM_SMEM,
+            },
+        ),
+        W4a4Kernel::Wgmma { ctas_per_sm } => (
+            format!("w4a4_wgmma_{suf}_x{ctas_per_sm}"),
+            LaunchConfig {
+                grid_dim: (n.div_ceil(128) as u32, m.div_ceil(64) as u32, splits as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: wgmma_smem(ctas_per_sm),
+            },
+        ),
+    };
+    // Split-k scratch: each CTA's f32 tile, and a zeroed arrival counter per tile.
+    let scratch = if splits > 1 {
+        let ws = unsafe { dev.alloc::<f32>(tiles * splits * 128 * 64)? };
+        let counters = dev.alloc_zeros::<u32>(tiles)?;
+        Some((ws, counters))
     } else {
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1),
-            block_dim: (512, 1, 1),
-            shared_mem_bytes: GEMM_SMEM,
-        };
-        (format!("w4a4_gemm_{suf}"), cfg)
+        None
     };
     let func = dev.get_or_load_custom_func(&name, "w4a4", ptx::W4A4)?;
     if cfg.shared_mem_bytes > 48 * 1024 {
@@ -189,12 +247,22 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
                     with_bytes(&out, &out_layout, |y| {
                         let ((w4p, _g1), (swp, _g2)) =
                             (raw_ptr(&w4, &stream), raw_ptr(&sw, &stream));
+                        let (ws, counters, _g3) = match &scratch {
+                            Some((ws, c)) => {
+                                let (wp, g1) = raw_ptr(ws, &stream);
+                                let (cp, g2) = raw_ptr(c, &stream);
+                                (wp, cp, Some((g1, g2)))
+                            }
+                            None => (0, 0, None),
+                        };
                         let params = GemmParams {
                             act,
                             w4: w4p,
                             w8,
                             sw: swp,
                             y,
+                            ws,
+                            counters,
                             m: m as i32,
                             n: n as i32,
                             k: k as i32,
@@ -202,6 +270,7 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
                             k8w: w.k8w() as i32,
                             nb: nb(k) as i32,
                             np: w.scales_t().dim(1)? as i32,
+                            splits: splits as i32,
                         };
                         unsafe { launch_params(&func, &stream, cfg, 0, &params) }
                     })
