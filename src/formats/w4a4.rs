@@ -814,10 +814,16 @@ impl LinearWeights for W4a4Weights {
 
     fn plan(&self) -> Plan {
         let why = "W4A4: the SiLU·mul runs fused into the down projection's activation quantizer";
+        let wgmma = crate::ops::W4a4Kernel::Wgmma { ctas_per_sm: 1 };
+        let tiles = if wgmma.available(usize::MAX) {
+            "wgmma 128x64 tiles above, split-k where the grid is small"
+        } else {
+            "mma.sync 128x128 tiles above (this build has no sm_90a wgmma)"
+        };
         Plan {
             matmul: format!(
                 "{}: activations quantized in the op before (norm, SiLU·mul or permutation), \
-                 INT8 mma.sync GEMM (skinny m <= {}, 128x128 tiles above)",
+                 INT8 tensor-core GEMM (skinny mma.sync m <= {}, {tiles})",
                 self.format,
                 crate::ops::W4A4_SKINNY_MAX_M
             ),
