@@ -348,7 +348,7 @@ fn print_json(
             s.dtype
         ),
         "kv_k_pre_rope": s.kv_k_pre_rope,
-        "kv_oaken_fractions": s.kv_oaken.as_ref().map(|(_, c)| serde_json::json!(c.fractions)),
+        "kv_oaken_fractions": s.kv_oaken.as_ref().map(|o| serde_json::json!(o.calibration.fractions)),
         "dtype": s.dtype.as_str(),
         "device": common::device_name(&s.device),
         "ctx": args.ctx,
@@ -368,13 +368,17 @@ fn print_json(
     Ok(())
 }
 
-/// Whether the model was calibrated on the very text being scored (then the perplexity is
-/// in-sample, and every table must say so).
+/// Whether the model (its weights, or Oaken's KV thresholds calibrated at load) was
+/// calibrated on the very text being scored (then the perplexity is in-sample, and every
+/// table must say so).
 fn in_sample(s: &common::Session, text: &Path) -> bool {
-    let Some(c) = &s.loaded.calibration else {
+    let Ok(bytes) = std::fs::read(text) else {
         return false;
     };
-    std::fs::read(text).is_ok_and(|b| candle_lowbit::checkpoint::sha256_hex(&b) == c.sha256)
+    let sha = candle_lowbit::checkpoint::sha256_hex(&bytes);
+    let weights = s.loaded.calibration.as_ref().map(|c| &c.sha256);
+    let kv = s.kv_oaken.as_ref().and_then(|o| o.text_sha256.as_ref());
+    weights.into_iter().chain(kv).any(|h| *h == sha)
 }
 
 fn check_args(args: &Args) -> Result<usize> {

@@ -59,12 +59,12 @@ fn main() -> Result<()> {
         format,
         quantizer: args.model.calib.settings_json(format),
         calibration: l.calibration.clone(),
-        kv_oaken: s.kv_oaken.as_ref().map(|(_, c)| c.clone()),
+        kv_oaken: s.kv_oaken.as_ref().map(|o| o.calibration.clone()),
     };
     let t0 = Instant::now();
     let manifest = checkpoint::save(&l.model, &args.out, &info)?;
     let bytes = std::fs::metadata(args.out.join(checkpoint::WEIGHTS_FILE))?.len();
-    if let Some((_, c)) = &s.kv_oaken {
+    if let Some(c) = s.kv_oaken.as_ref().map(|o| &o.calibration) {
         println!(
             "stored oaken KV thresholds for {} layers (outer {}, inner {}, K {})",
             c.layers.len(),

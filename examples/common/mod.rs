@@ -249,8 +249,8 @@ pub struct Session {
     pub kv_cache: KvFormat,
     /// The KV format with what it needs (Oaken's thresholds).
     pub kv: KvSpec,
-    /// Where Oaken's thresholds came from, and the calibration itself.
-    pub kv_oaken: Option<(String, OakenCalibration)>,
+    /// Oaken's thresholds: where they came from, and the calibration itself.
+    pub kv_oaken: Option<KvOaken>,
     /// Quantized K encoded before RoPE (`--kv-k-pre-rope`).
     pub kv_k_pre_rope: bool,
     /// Seconds the load took (quantization included).
@@ -271,6 +271,16 @@ impl Session {
     }
 }
 
+/// Oaken's thresholds as a session holds them.
+pub struct KvOaken {
+    /// Where they came from ("checkpoint", or how they were calibrated at load).
+    pub how: String,
+    pub calibration: OakenCalibration,
+    /// sha256 of the text they were calibrated on at load (`None` from a checkpoint, whose
+    /// manifest names its own calibration).
+    pub text_sha256: Option<String>,
+}
+
 /// The KV format of `args` with what it needs: Oaken's thresholds from the checkpoint, or
 /// calibrated now on `--calib` (K after RoPE, as the cache stores it).
 fn kv_spec(
@@ -278,7 +288,7 @@ fn kv_spec(
     loaded: &Loaded,
     dtype: DType,
     bars: &mut Bars,
-) -> Result<(KvSpec, Option<(String, OakenCalibration)>)> {
+) -> Result<(KvSpec, Option<KvOaken>)> {
     if args.kv_cache != KvFormat::Oaken {
         return Ok((KvSpec::from_format(args.kv_cache)?, None));
     }
@@ -293,10 +303,12 @@ fn kv_spec(
     };
     if let Some(c) = loaded.manifest.as_ref().and_then(|m| m.kv_oaken.clone()) {
         if c.fractions == fractions && c.k_rope == k_rope {
-            return Ok((
-                KvSpec::Oaken(c.layers.clone()),
-                Some(("checkpoint".into(), c)),
-            ));
+            let o = KvOaken {
+                how: "checkpoint".into(),
+                calibration: c,
+                text_sha256: None,
+            };
+            return Ok((KvSpec::Oaken(o.calibration.layers.clone()), Some(o)));
         }
     }
     let Some(src) = args.calib.source() else {
@@ -321,7 +333,15 @@ fn kv_spec(
         src.path.display(),
         t0.elapsed().as_secs_f64()
     );
-    Ok((KvSpec::Oaken(c.layers.clone()), Some((how, c))))
+    let text_sha256 = Some(candle_lowbit::checkpoint::sha256_hex(&std::fs::read(
+        &src.path,
+    )?));
+    let o = KvOaken {
+        how,
+        calibration: c,
+        text_sha256,
+    };
+    Ok((KvSpec::Oaken(o.calibration.layers.clone()), Some(o)))
 }
 
 /// CUDA device 0 (set up for graph replay) if built with the `cuda` feature and one is
@@ -489,10 +509,10 @@ pub fn describe(s: &Session) -> Result<String> {
         s.kv_cache,
         s.kv_cache.bits_per_value(hd, s.dtype)
     );
-    if let Some((how, c)) = &s.kv_oaken {
+    if let Some(o) = &s.kv_oaken {
         line += &format!(
-            ", thresholds {how}, outer {} / inner {}",
-            c.fractions.outer, c.fractions.inner
+            ", thresholds {}, outer {} / inner {}",
+            o.how, o.calibration.fractions.outer, o.calibration.fractions.inner
         );
     }
     if s.kv_k_pre_rope && s.kv_cache != KvFormat::Dense {
