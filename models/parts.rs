@@ -61,7 +61,7 @@ impl Slot {
     }
 }
 
-/// Where [`Llama::load_from`] gets its weights: a dense `VarBuilder`, or a quantized
+/// Where [`crate::Llama::load_from`] gets its weights: a dense `VarBuilder`, or a quantized
 /// checkpoint ([`crate::checkpoint`]).
 pub trait WeightSource {
     /// A dense tensor (embedding, norms) by HF name, of `dims`.
@@ -98,7 +98,7 @@ impl WeightSource for VarBuilder<'_> {
     }
 }
 
-/// What calibration sees of a forward pass ([`Llama::block_prefill`] calls it; every method
+/// What calibration sees of a forward pass ([`crate::Llama::block_prefill`] calls it; every method
 /// defaults to doing nothing).
 pub trait Observer {
     /// The input `x` `[.., in]` (dense) of linear layer `slot` of block `layer`.

@@ -1,6 +1,6 @@
 //! The formats layer: every weight format a [`QLinear`](crate::QLinear) can hold.
 //!
-//! A format is one module here plus one line in the [`registry!`] below:
+//! A format is one module here plus one line in the `registry!` below:
 //!
 //! - a [`FormatSpec`] (`static`): its CLI name and aliases, error bounds, whether it needs
 //!   calibration statistics, whether its decode step captures into a CUDA graph, its stored
