@@ -58,14 +58,21 @@ impl W4a4Kernel {
         if m <= W4A4_SKINNY_MAX_M {
             Self::Skinny
         } else if wgmma_built() {
-            let tiles = n.div_ceil(128) * m.div_ceil(64);
             Self::Wgmma {
-                ctas_per_sm: if tiles <= 132 { 1 } else { 2 },
+                ctas_per_sm: if wgmma_tiles(m, n) <= H200_SMS { 1 } else { 2 },
             }
         } else {
             Self::Mma
         }
     }
+}
+
+/// SMs of the H200 (the wgmma variant and split-k choices were measured there).
+pub(super) const H200_SMS: usize = 132;
+
+/// CTAs of a wgmma grid before split-k: 128 weight rows × 64 tokens each.
+pub(super) fn wgmma_tiles(m: usize, n: usize) -> usize {
+    n.div_ceil(128) * m.div_ceil(64)
 }
 
 /// Whether `cuda/w4a4.cu` was built for sm_90a (its wgmma kernels are real, not traps).

@@ -1,6 +1,6 @@
 //! CUDA launchers of `cuda/w4a4.cu`. Shapes and dtypes are validated in `w4a4.rs`.
 
-use super::w4a4::{Matmul, Quantize, W4a4Kernel};
+use super::w4a4::{wgmma_tiles, Matmul, Quantize, W4a4Kernel, H200_SMS};
 use crate::formats::w4a4::blocks as nb;
 use crate::formats::LinearWeights;
 use crate::kernels::{contiguous_view, dtype_suffix, launch_params, ptx, raw_ptr, with_view};
@@ -65,14 +65,11 @@ fn wgmma_smem(ctas_per_sm: usize) -> u32 {
     (stages * stage + 1024) as u32
 }
 
-/// SMs of the H200.
-const SMS: usize = 132;
-
 /// Split-k ranges for a wgmma grid of `tiles` CTAs over `nb` k blocks, `per_sm` CTAs
 /// resident per SM: where the tiles alone leave SMs idle, the count (at most 8, at least 4
 /// blocks each) that minimizes waves per unit of work, ties to fewer.
 fn wgmma_splits(tiles: usize, nb: usize, per_sm: usize) -> usize {
-    let slots = SMS * per_sm;
+    let slots = H200_SMS * per_sm;
     if tiles >= 2 * slots {
         return 1;
     }
@@ -193,7 +190,7 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
     let suf = dtype_suffix(op.dtype)?;
     let (tiles, splits) = match op.kernel {
         W4a4Kernel::Wgmma { ctas_per_sm } => {
-            let tiles = n.div_ceil(128) * m.div_ceil(64);
+            let tiles = wgmma_tiles(m, n);
             (tiles, wgmma_splits(tiles, nb(k), ctas_per_sm))
         }
         _ => (0, 1),
