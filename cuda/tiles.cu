@@ -18,7 +18,8 @@
 //
 // One tile = 32 rows x 64 columns, decoded by one warp. Lane l (lg = l / 4, t = l % 4) holds
 // rows lg + 8 nb (nb 0..3) at columns 16 kc + 2 t + 8 hb + e (kc 0..3, hb, e 0..1): exactly
-// the B fragments (b0 b1 | b2 b3) of 16 mma.m16n8k16 (n-block nb, k-chunk kc):
+// the A fragments of 8 mma.m16n8k16 (16-row half nb / 2, k-chunk kc; a0 a1 a2 a3 =
+// (nb, hb) = (2h, 0), (2h + 1, 0), (2h, 1), (2h + 1, 1)):
 //
 //   2-bit tile (512 B):  lane l reads uint4 #l          word nb: (kc, hb, e) at bit 2 (2 kc + hb) + 16 e
 //   4-bit tile (1024 B): lane l reads uint4 #l and #32+l: word 2 nb + kc / 2 of those 8 words,
@@ -33,28 +34,46 @@
 //     row 16 + lg         lanes 4lg..   (n-block 2: word 2;                 words 4-5)
 //     row 24 + lg         lanes 4lg..   (n-block 3: word 3;                 words 6-7)
 //
-// A pair of codes 16 bits apart becomes an f16x2 by one shift and one and/or
+// Matmul (tiles_mm): the weights are the mma's A operand, the activations its B (tokens are
+// the 8 columns of an n-block: m <= 8 takes one mma per 16 rows x 16 columns). The lane's
+// code rows lg + 8 nb are exactly the A fragments' rows (gid, gid + 8 of the 16-row half
+// nb / 2), so the packed tiles are used as they are. A code pair becomes the f16x2 1024 + q
+// by one shift and one lop3 (0x6400 | q), exact; the mma sums (1024 + q) x in f32 per tile
+// and row, and the group's scale and zero are applied once per row and tile:
+//   sum (q s + z) x = s * sum (1024 + q) x + (z - 1024 s) * sum x,
+// with sum x from an mma of the activations with an all-ones A (once per column, shared by
+// the row blocks), and s, z the f16 values the dequantize below rounds (the lane holding row
+// nb = t decodes it, the others shuffle). The matmul thus differs from the dequantized
+// product only by the f16 rounding of each weight (w = f16(q s + z) there) and the order of
+// the f32 sums.
+// Dequantize (tiles_dequantize): a code pair becomes an f16x2 by one shift and one and/or
 // (0x6400 | q = 1024 + q), one HSUB2 (exact) and one HFMA2 with the group's (scale, zero):
 // w = f16(q * scale + zero), rounded once. Two-level scales: scale = f16(sc * ds * (1/maxq)),
 // zero = f16(zc * scale / 8), in f32 without fused multiply-adds (the CPU reference's order).
 //
 // Work split (tiles_mm): a block of 4 warps owns two row blocks (plain: 2p and 2p + 1; SiLU·mul:
-// gate block p and up block p + R/2); warp w of cluster rank c takes tile columns
-// c * 4 + w, + 4 * KS, ...; every warp decodes both row blocks' tiles of its column. The
-// asynchronous dequantization of the paper: each warp keeps TILES_STAGES columns in flight
-// (cp.async into its own shared-memory ring: codes and scales; the tile descriptors sit in
-// shared memory from the start), and the next column's activations in registers, while the
-// current column's scales are dequantized (two-level: in f32, in the shadow of the loads)
-// and its codes turned into f16 pairs and multiplied. Measured against a register double
-// buffer (one column ahead, 8 warps per block): 11008x4096 int4 m = 1 26.0 vs 24.7 us,
-// 4096x4096 13.3 vs 16.4 us (H200, 2026-12-01): neither streams at DRAM speed yet (the
-// per-warp instruction chains are latency-bound, BENCHMARKS.md). KS blocks (a thread-block
-// cluster along x, KS in 1, 2, 4, 8, chosen by the host to fill one wave) split the columns;
-// block rank 0 sums the others' partial results from their shared memory and writes y; the
-// outliers are added into the partial sums first, spread over every warp of the cluster
-// (lane = row, x read from L1). Deterministic: fixed summation order.
+// gate block p and up block p + R/2; an odd last block is computed twice and stored once);
+// warp w of cluster rank c takes tile columns c * 4 + w, + 4 * KS, ...; every warp decodes
+// both row blocks' tiles of its column in straight-line code (their mma chains interleave).
+// The asynchronous dequantization of the paper: each warp keeps TILES_STAGES columns in
+// flight (cp.async into its own shared-memory ring: codes and scales; each warp stages the
+// descriptors of its own columns, so no block-wide barrier precedes the first copies), and
+// the next column's activations in registers, while the current column's codes become f16
+// pairs, are multiplied, and its scales are decoded and applied. KS blocks (a thread-block
+// cluster along x, KS 1..8, chosen by the host to fill one wave at the kernel's occupancy)
+// split the columns; block rank 0 sums the others' partial results from their shared memory
+// and writes y; the outliers are added into the partial sums first, spread over every warp
+// of the cluster (lane = row; each warp loads its first TILES_OUT_PRE entries per row before
+// its main loop, x is gathered from L1 at the end). Deterministic: fixed summation order.
+// Measured steps on the H200 (int4 / w2416 at m = 1, µs, 11008x4096; BENCHMARKS.md): dequantize
+// + HFMA2 per code pair, weights as the B operand 22.3 / 28.3; weights as A, scales folded
+// out of the inner loop 22.9 / 27.5; then one lop3 per pair and lean address arithmetic
+// 18.5 / 23.2; then both tiles straight-line, 32-bit offsets, per-warp descriptors and
+// prefetched outliers 18.0 / 22.7 (m = 16: 19.4 / 33.3, was 31.5 / 52.7). Still latency-bound
+// per warp (about 0.36 instructions issued per cycle and scheduler), not DRAM-bound.
 //
-//   x  f16 [m, k], m <= 16 (MM = 8: m <= 8, fragment rows 8..15 never loaded)
+//   x  f16 [m, k], m <= 16 (MM = 8: m <= 8, one 8-token n-block; MM = 16: two; token rows past m
+//      read row m - 1 and their results are never stored)
 //   y  EPI 0: f16 [m, n]; EPI 1: f32 [m, n]; EPI 2: f16 [m, n / 2] = silu(gate) * up, rounded
 //      as the unfused pair (gate and up to f16, silu(gate) to f16, the product to f16).
 // Weights are read before pdl_wait (no kernel writes them); activations after.
@@ -64,6 +83,8 @@ using namespace lowbit;
 
 #define TILES_NW 4
 #define TILES_STAGES 3
+// Outlier entries per row and block each warp loads before its main loop.
+#define TILES_OUT_PRE 2
 // Most tile columns (k <= 64 * TILES_MAX_G = 65536; the entries' column field is 16 bits).
 #define TILES_MAX_G 1024
 
@@ -162,44 +183,143 @@ __device__ __forceinline__ uint32_t tile_b(const TileFrag& f, int nb, int kc, in
     return deq2((words[nb] >> (2 * p)) & 0x00030003u, s2, z2);
 }
 
-template <int MM>
-__device__ __forceinline__ void load_a(uint32_t (&a)[4][4], const __half* __restrict__ x, int m, int k, int g,
-                                       int lane) {
-    const int gid = lane >> 2, t = lane & 3;
+// (v & mask) | 0x64006400 in one lop3 (the constant in a register: a lop3 takes one immediate).
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t and_or_6400(uint32_t v) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(v), "n"(MASK), "r"(0x64006400u));
+    return r;
+}
+
+// 1024 + q of the lane's code pair (nb, kc, hb) as f16x2 bits: one shift and one lop3 (the
+// matmul folds the 1024 and the group's scale and zero out of the inner loop).
+template <bool FOUR>
+__device__ __forceinline__ uint32_t tile_q(const TileFrag& f, int nb, int kc, int hb) {
+    if (FOUR) {
+        const uint32_t words[8] = {f.c0.x, f.c0.y, f.c0.z, f.c0.w, f.c1.x, f.c1.y, f.c1.z, f.c1.w};
+        return and_or_6400<0x000f000fu>(words[2 * nb + kc / 2] >> (4 * (2 * (kc & 1) + hb)));
+    }
+    const uint32_t words[4] = {f.c0.x, f.c0.y, f.c0.z, f.c0.w};
+    return and_or_6400<0x00030003u>(words[nb] >> (2 * (2 * kc + hb)));
+}
+
+// The activations of tile column g as mma B fragments: bx[kc][nt] = (b0, b1) of token row
+// xr[nt] (token 8 nt + gid, clamped to m - 1: the columns of C past m are computed from a
+// repeated row and never stored) at columns 64 g + 16 kc + 2 t (+ 8); xr[nt] points at
+// column 2 t of that row. Columns past k (the zero weights of a last, partial tile) read as 0.
+template <int NT>
+__device__ __forceinline__ void load_b(uint32_t (&bx)[4][NT][2], const uint32_t* const (&xr)[NT], int k, int g,
+                                       int t) {
+    if (g * 64 + 64 <= k) {
 #pragma unroll
-    for (int kc = 0; kc < 4; ++kc) {
-        const int col = g * 64 + kc * 16 + 2 * t;
-        const bool r0 = gid < m, r1 = MM > 8 && gid + 8 < m;
-        const uint32_t* p0 = reinterpret_cast<const uint32_t*>(x + (size_t)gid * k + col);
-        const uint32_t* p1 = reinterpret_cast<const uint32_t*>(x + (size_t)(gid + 8) * k + col);
-        // Columns past k (the zero weights of a last, partial tile) read as 0.
-        const bool c0 = col < k, c1 = col + 8 < k;
-        a[kc][0] = r0 && c0 ? __ldg(p0) : 0u;
-        a[kc][1] = r1 && c0 ? __ldg(p1) : 0u;
-        a[kc][2] = r0 && c1 ? __ldg(p0 + 4) : 0u;
-        a[kc][3] = r1 && c1 ? __ldg(p1 + 4) : 0u;
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) {
+                bx[kc][nt][0] = __ldg(xr[nt] + g * 32 + kc * 8);
+                bx[kc][nt][1] = __ldg(xr[nt] + g * 32 + kc * 8 + 4);
+            }
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) {
+                const int col = g * 64 + kc * 16 + 2 * t;
+                bx[kc][nt][0] = col < k ? __ldg(xr[nt] + g * 32 + kc * 8) : 0u;
+                bx[kc][nt][1] = col + 8 < k ? __ldg(xr[nt] + g * 32 + kc * 8 + 4) : 0u;
+            }
     }
 }
 
-template <bool TWO, bool FOUR>
-__device__ __forceinline__ void tile_mma_w(const TileFrag& f, const uint32_t (&a)[4][4], float (&acc)[4][4]) {
+// sx[nt][e] = the sum of tile column g's activations of token 8 nt + 2 t + e (an mma with
+// an all-ones A: every row of C holds the column sums).
+template <int NT>
+__device__ __forceinline__ void column_sums(const uint32_t (&bx)[4][NT][2], float (&sx)[NT][2]) {
+    const uint32_t ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
 #pragma unroll
-    for (int nb = 0; nb < 4; ++nb) {
+    for (int nt = 0; nt < NT; ++nt) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) mma16816(c, ones, bx[kc][nt][0], bx[kc][nt][1]);
+        sx[nt][0] = c[0];
+        sx[nt][1] = c[1];
+    }
+}
+
+// One tile times one column of activations, weights as the mma's A operand (rows lg + 8 nb
+// are exactly the A fragments' rows gid, gid + 8 of the two 16-row halves mb = nb / 2), so the
+// C fragment of a half holds weight rows gid + 16 mb (c0, c1) and gid + 8 + 16 mb (c2, c3) for
+// tokens 8 nt + 2 t + (0, 1). The mma runs on the raw 1024 + q (exact in f16); per row and
+// tile, sum (q s + z) x = s * sum (1024 + q) x + (z - 1024 s) * sum x, with the group's f16
+// scale and zero as the reference rounds them.
+template <bool TWO, bool FOUR, int NT>
+__device__ __forceinline__ void tile_fold_w(const TileFrag& f, const uint32_t (&bx)[4][NT][2],
+                                            const float (&sx)[NT][2], float (&acc)[2][NT][4], int lane) {
+    // Two-level: the four lanes of a row group hold the same four rows; lane t decodes row
+    // nb = t's scale and zero, the others take theirs by a shuffle. Plain: read directly.
+    float s_own = 0.f, w_own = 0.f;
+    if (TWO) {
         __half2 s2, z2;
-        tile_scales<TWO>(f, nb, s2, z2);
+        tile_scales<TWO>(f, lane & 3, s2, z2);
+        s_own = __low2float(s2);
+        w_own = fmaf(-1024.f, s_own, __low2float(z2));
+    }
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb) {
+        float c[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[nt][i] = 0.f;
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
-            const uint32_t b0 = tile_b<FOUR>(f, nb, kc, 0, s2, z2), b1 = tile_b<FOUR>(f, nb, kc, 1, s2, z2);
-            mma16816(acc[nb], a[kc], b0, b1);
+            const uint32_t a[4] = {tile_q<FOUR>(f, 2 * mb, kc, 0), tile_q<FOUR>(f, 2 * mb + 1, kc, 0),
+                                   tile_q<FOUR>(f, 2 * mb, kc, 1), tile_q<FOUR>(f, 2 * mb + 1, kc, 1)};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mma16816(c[nt], a, bx[kc][nt][0], bx[kc][nt][1]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float s, w;
+            if (TWO) {
+                const int src = (lane & ~3) | (2 * mb + h);
+                s = __shfl_sync(0xffffffffu, s_own, src);
+                w = __shfl_sync(0xffffffffu, w_own, src);
+            } else {
+                const uint32_t sz = mb == 0 ? (h == 0 ? f.s.x : f.s.y) : (h == 0 ? f.s.z : f.s.w);
+                s = __half2float(__ushort_as_half((unsigned short)(sz & 0xffffu)));
+                w = fmaf(-1024.f, s, __half2float(__ushort_as_half((unsigned short)(sz >> 16))));
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    acc[mb][nt][2 * h + e] = fmaf(w, sx[nt][e], fmaf(s, c[nt][2 * h + e], acc[mb][nt][2 * h + e]));
         }
     }
 }
 
-// The tile's precision is the same for the whole warp: one branch per tile.
-template <bool TWO>
-__device__ __forceinline__ void tile_mma(const TileFrag& f, const uint32_t (&a)[4][4], float (&acc)[4][4]) {
-    if (f.four) tile_mma_w<TWO, true>(f, a, acc);
-    else tile_mma_w<TWO, false>(f, a, acc);
+// A column's two tiles (row blocks 0 and 1) in straight-line code, so that their mma chains
+// interleave; a tile's precision is the same for the whole warp: one switch per column.
+template <bool TWO, int NT>
+__device__ __forceinline__ void tile_pair(const TileFrag (&f)[2], const uint32_t (&bx)[4][NT][2],
+                                          const float (&sx)[NT][2], float (&acc)[2][2][NT][4], int lane) {
+    switch ((f[0].four ? 1 : 0) | (f[1].four ? 2 : 0)) {
+    case 0:
+        tile_fold_w<TWO, false, NT>(f[0], bx, sx, acc[0], lane);
+        tile_fold_w<TWO, false, NT>(f[1], bx, sx, acc[1], lane);
+        break;
+    case 1:
+        tile_fold_w<TWO, true, NT>(f[0], bx, sx, acc[0], lane);
+        tile_fold_w<TWO, false, NT>(f[1], bx, sx, acc[1], lane);
+        break;
+    case 2:
+        tile_fold_w<TWO, false, NT>(f[0], bx, sx, acc[0], lane);
+        tile_fold_w<TWO, true, NT>(f[1], bx, sx, acc[1], lane);
+        break;
+    default:
+        tile_fold_w<TWO, true, NT>(f[0], bx, sx, acc[0], lane);
+        tile_fold_w<TWO, true, NT>(f[1], bx, sx, acc[1], lane);
+    }
 }
 
 __device__ __forceinline__ TileSrc tile_src(const uint32_t* codes, const uint32_t* desc, const uint8_t* sc,
@@ -216,45 +336,69 @@ __device__ __forceinline__ TileSrc tile_src(const uint32_t* codes, const uint32_
     return s;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const uint32_t sa = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-    const uint32_t sa = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(sa), "l"(gmem));
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // One warp's ring of TILES_STAGES columns in flight: per stage and row block, the lane's
 // code chunks (a 2-bit tile fills chunk 0) and its 16 bytes of scales.
+struct RingStage {
+    uint4 codes[2][2][32];  // [block][chunk][lane]: byte 1024 b + 512 c + 16 lane
+    uint4 scales[2][32];    // [block][lane]:        byte 2048 + 512 b + 16 lane
+};
+static_assert(sizeof(RingStage) == 3072, "ring stage layout");
 struct WarpRing {
-    uint4 codes[TILES_STAGES][2][2][32];
-    uint4 scales[TILES_STAGES][2][32];
+    RingStage st[TILES_STAGES];
 };
 
-// Issue the copies of column g (both row blocks) into ring stage st.
+// What one lane copies of one row block's columns, as 32-bit offsets from the kernel's
+// arguments: its code chunk of the block's stream (uint4 units, lane added) and its scale
+// bytes (row group lg added).
+struct LaneSrc {
+    uint32_t codes;  // + tile offset (desc & 0x7fffffff) / 4
+    uint32_t sc;     // two-level, bytes: + g * 64
+    uint32_t sup;    // two-level, halves: + (g / 16) * 32
+    uint32_t plain;  // plain, halves: + (g >> gshift) * 64 (a scale group is 2^gshift tiles)
+};
+
+__device__ __forceinline__ LaneSrc lane_src(int rb, int G, int H, int k, int group, int lane) {
+    const int lg = lane >> 2, S = (G + 15) / 16, SG = (k + group - 1) / group;
+    LaneSrc l;
+    l.codes = (uint32_t)rb * 32u * (uint32_t)(G + H) + lane;
+    l.sc = (uint32_t)rb * G * 64 + lg * 8;
+    l.sup = (uint32_t)rb * S * 32 + lg * 4;
+    l.plain = (uint32_t)rb * SG * 64 + lg * 8;
+    return l;
+}
+
+__device__ __forceinline__ void cp_async16_sa(uint32_t sa, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async8_sa(uint32_t sa, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(sa), "l"(gmem));
+}
+
+// Issue the copies of column g (both row blocks; an odd last block repeats block 0) into the
+// ring stage at shared address `stage` (the lane's 16 bytes added).
 template <bool TWO>
-__device__ __forceinline__ void issue_column(WarpRing& ring, int st, const TileSrc (&src)[2], const uint32_t* desc_sh,
-                                             int G, bool valid1, int g, int lane) {
-    const int lg = lane >> 2;
+__device__ __forceinline__ void issue_column(uint32_t stage, const LaneSrc (&src)[2], const uint32_t* desc_sh,
+                                             const uint32_t* __restrict__ codes, const uint8_t* __restrict__ sc,
+                                             const __half* __restrict__ sup, const __half* __restrict__ plain,
+                                             int G, int g, int gshift) {
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-        if (b == 1 && !valid1) continue;
         const uint32_t d = desc_sh[b * G + g];
-        const uint4* t = reinterpret_cast<const uint4*>(src[b].codes + (d & 0x7fffffffu));
-        cp_async16(&ring.codes[st][b][0][lane], t + lane);
-        if (d >> 31) cp_async16(&ring.codes[st][b][1][lane], t + 32 + lane);
-        uint2* sl = reinterpret_cast<uint2*>(&ring.scales[st][b][lane]);
+        const uint4* t = reinterpret_cast<const uint4*>(codes) + (src[b].codes + ((d & 0x7fffffffu) >> 2));
+        const uint32_t cs = stage + 1024 * b;
+        cp_async16_sa(cs, t);
+        if (d >> 31) cp_async16_sa(cs + 512, t + 32);
+        const uint32_t ss = stage + 2048 + 512 * b;
         if (TWO) {
-            cp_async8(sl, src[b].sc + (size_t)g * 64 + lg * 8);
-            cp_async8(sl + 1, src[b].sup + (size_t)(g / 16) * 32 + lg * 4);
+            cp_async8_sa(ss, sc + (src[b].sc + g * 64));
+            cp_async8_sa(ss + 8, sup + (src[b].sup + (g >> 4) * 32));
         } else {
-            cp_async16(sl, src[b].plain + (size_t)(g * 64 / src[b].group) * 64 + lg * 8);
+            cp_async16_sa(ss, plain + (src[b].plain + (g >> gshift) * 64));
         }
     }
 }
@@ -287,99 +431,137 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
         rbs[1] = 2 * pair + 1;
     }
     const bool valid1 = rbs[1] < R;
-    TileSrc src[2];
+    // An odd last row block: block 1 repeats block 0 (computed, never stored).
+    // Each warp stages the descriptors of its own columns (no block-wide barrier before the
+    // first copies are issued).
+    const int stride = TILES_NW * ks, first = rank * TILES_NW + warp;
+    LaneSrc src[2];
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
-        src[b] = tile_src(codes, desc, sc, sup, plain, group, b == 1 && !valid1 ? rbs[0] : rbs[b], G, H, k);
-    for (int i = threadIdx.x; i < G; i += blockDim.x) {
-        desc_sh[i] = __ldg(src[0].desc + i);
-        desc_sh[G + i] = __ldg(src[1].desc + i);
+    for (int b = 0; b < 2; ++b) {
+        const int rb = b == 1 && !valid1 ? rbs[0] : rbs[b];
+        src[b] = lane_src(rb, G, H, k, group, lane);
+        for (int g = first + lane * stride; g < G; g += 32 * stride) desc_sh[b * G + g] = __ldg(desc + (size_t)rb * G + g);
     }
-    __syncthreads();
+    const int gshift = __ffs(group / 64) - 1;  // the host checks: group is 64 times a power of two
+    __syncwarp();
 
-    float acc[2][4][4];
+    constexpr int NT = MM / 8;
+    float acc[2][2][NT][4];
 #pragma unroll
     for (int b = 0; b < 2; ++b)
 #pragma unroll
-        for (int nb = 0; nb < 4; ++nb)
+        for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[b][nb][i] = 0.f;
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[b][mb][nt][i] = 0.f;
 
     // Weights stream in before pdl_wait (no kernel writes them).
-    const int stride = TILES_NW * ks, first = rank * TILES_NW + warp;
-    WarpRing& ring = sh.ring[warp];
+    RingStage* ring = sh.ring[warp].st;
+    const uint32_t ring_sa = (uint32_t)__cvta_generic_to_shared(ring) + 16 * lane;
 #pragma unroll
     for (int s = 0; s < TILES_STAGES - 1; ++s) {
         const int g = first + s * stride;
-        if (g < G) issue_column<TWO>(ring, s, src, desc_sh, G, valid1, g, lane);
+        if (g < G) issue_column<TWO>(ring_sa + s * 3072, src, desc_sh, codes, sc, sup, plain, G, g, gshift);
         cp_async_commit();
     }
+    // Outliers: lane = row; warp w of cluster rank c takes the row's entries c * NW + w,
+    // + NW * KS, ... (independent loads spread over the cluster, a fixed split: the sums
+    // stay deterministic). The first TILES_OUT_PRE of them are loaded here, so that their
+    // latency (row ends, then entries) hides behind the columns; x is gathered at the end.
+    int o_beg[2] = {0, 0}, o_end[2] = {0, 0};
+    uint32_t o_pre[2][TILES_OUT_PRE];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int j = 0; j < TILES_OUT_PRE; ++j) o_pre[b][j] = 0;
+        if (E == 0 || (b == 1 && !valid1)) continue;
+        const int row = rbs[b] * 32 + lane;
+        o_beg[b] = (lane == 0 ? 0 : (int)__ldg(row_end + row - 1)) + rank * TILES_NW + warp;
+        o_end[b] = (int)__ldg(row_end + row);
+        const uint32_t* ent = entries + (size_t)rbs[b] * E;
+#pragma unroll
+        for (int j = 0; j < TILES_OUT_PRE; ++j) {
+            const int e = o_beg[b] + j * TILES_NW * ks;
+            if (e < o_end[b]) o_pre[b][j] = __ldg(ent + e);
+        }
+    }
     pdl_wait();
-    uint32_t a_cur[4][4], a_nxt[4][4];
-    if (first < G) load_a<MM>(a_cur, x, m, k, first, lane);
-    for (int j = 0, g = first; g < G; ++j, g += stride) {
+    const uint32_t* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+        xr[nt] = reinterpret_cast<const uint32_t*>(x + (size_t)min(8 * nt + (lane >> 2), m - 1) * k) + (lane & 3);
+    uint32_t b_cur[4][NT][2], b_nxt[4][NT][2];
+    if (first < G) load_b<NT>(b_cur, xr, k, first, lane & 3);
+    // st: the ring stage of column g; si: the stage the column TILES_STAGES - 1 ahead goes to.
+    for (int g = first, st = 0, si = TILES_STAGES - 1; g < G; g += stride) {
         const int gi = g + (TILES_STAGES - 1) * stride;
-        if (gi < G) issue_column<TWO>(ring, (j + TILES_STAGES - 1) % TILES_STAGES, src, desc_sh, G, valid1, gi, lane);
+        if (gi < G) issue_column<TWO>(ring_sa + si * 3072, src, desc_sh, codes, sc, sup, plain, G, gi, gshift);
         cp_async_commit();
         const int gn = g + stride;
-        if (gn < G) load_a<MM>(a_nxt, x, m, k, gn, lane);
+        if (gn < G) load_b<NT>(b_nxt, xr, k, gn, lane & 3);
+        float sx[NT][2];
+        column_sums<NT>(b_cur, sx);
         cp_async_wait<TILES_STAGES - 1>();
-        const int st = j % TILES_STAGES;
+        TileFrag f[2];
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
-            if (b == 1 && !valid1) continue;
-            TileFrag f;
-            f.four = (desc_sh[b * G + g] >> 31) != 0;
-            f.c0 = ring.codes[st][b][0][lane];
-            f.c1 = f.four ? ring.codes[st][b][1][lane] : make_uint4(0, 0, 0, 0);
-            f.s = ring.scales[st][b][lane];
-            tile_mma<TWO>(f, a_cur, acc[b]);
+            f[b].four = (desc_sh[b * G + g] >> 31) != 0;
+            f[b].c0 = ring[st].codes[b][0][lane];
+            f[b].c1 = f[b].four ? ring[st].codes[b][1][lane] : make_uint4(0, 0, 0, 0);
+            f[b].s = ring[st].scales[b][lane];
         }
+        tile_pair<TWO, NT>(f, b_cur, sx, acc, lane);
         if (gn < G) {
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) a_cur[kc][i] = a_nxt[kc][i];
+                for (int nt = 0; nt < NT; ++nt) {
+                    b_cur[kc][nt][0] = b_nxt[kc][nt][0];
+                    b_cur[kc][nt][1] = b_nxt[kc][nt][1];
+                }
         }
+        st = st == TILES_STAGES - 1 ? 0 : st + 1;
+        si = si == TILES_STAGES - 1 ? 0 : si + 1;
     }
     cp_async_wait<0>();
     __syncthreads();  // every ring is drained before its memory holds partial sums
 
-    // Partial sums: red[warp][b][row m][weight row r].
+    // Partial sums: red[warp][b][token][weight row r] (tokens past MM hold 0).
     float* red = sh.out.red[warp];
     const int gid = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int b = 0; b < 2; ++b)
 #pragma unroll
-        for (int nb = 0; nb < 4; ++nb)
+        for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int mi = gid + 8 * (i >> 1), r = nb * 8 + 2 * t + (i & 1);
-                red[(b * 16 + mi) * 32 + r] = acc[b][nb][i];
-            }
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int tok = 8 * nt + 2 * t + (i & 1), r = 16 * mb + gid + 8 * (i >> 1);
+                    red[(b * 16 + tok) * 32 + r] = nt < NT ? acc[b][mb][nt < NT ? nt : 0][i] : 0.f;
+                }
     __syncwarp();
-    // Outliers: lane = row; warp w of cluster rank c takes the row's entries c * NW + w,
-    // + NW * KS, ... (independent loads spread over the cluster, a fixed split: the sums
-    // stay deterministic).
+    // Outliers (entries fetched before the main loop, see there).
     if (E > 0) {
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
             if (b == 1 && !valid1) continue;
-            const int rb = rbs[b], row = rb * 32 + lane;
-            const int start = lane == 0 ? 0 : (int)__ldg(row_end + row - 1);
-            const int end = (int)__ldg(row_end + row);
-            const uint32_t* ent = entries + (size_t)rb * E;
+            const uint32_t* ent = entries + (size_t)rbs[b] * E;
             float part[MM];
 #pragma unroll
             for (int i = 0; i < MM; ++i) part[i] = 0.f;
-            for (int e = start + rank * TILES_NW + warp; e < end; e += TILES_NW * ks) {
-                const uint32_t v = __ldg(ent + e);
+            auto add = [&](uint32_t v) {
                 const int col = (int)(v & 0xffffu);
                 const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
 #pragma unroll
                 for (int i = 0; i < MM; ++i)
                     if (i < m) part[i] += dlt * __half2float(x[(size_t)i * k + col]);
-            }
+            };
+#pragma unroll
+            for (int j = 0; j < TILES_OUT_PRE; ++j)
+                if (o_beg[b] + j * TILES_NW * ks < o_end[b]) add(o_pre[b][j]);
+            for (int e = o_beg[b] + TILES_OUT_PRE * TILES_NW * ks; e < o_end[b]; e += TILES_NW * ks) add(__ldg(ent + e));
 #pragma unroll
             for (int i = 0; i < MM; ++i)
                 if (i < m) red[(b * 16 + i) * 32 + lane] += part[i];
@@ -425,7 +607,7 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
 }
 
 #define TILES_MM(NAME, TWO, EPI, MM)                                                                          \
-    extern "C" __global__ void __launch_bounds__(TILES_NW * 32)                                               \
+    extern "C" __global__ void __launch_bounds__(TILES_NW * 32, MM == 8 ? 5 : 3)                             \
         NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
              const __half* plain, const uint32_t* entries, const uint32_t* row_end, void* y, int m, int n, int k, \
              int H, int E, int group, int ks) {                                                               \

@@ -387,9 +387,12 @@ impl Tiles {
                 super::expect(supers, "supers", &[n, self::supers(k)], DType::F16)?;
             }
             TileScales::Plain { group, sz } => {
-                if *group == 0 || !group.is_multiple_of(TILE_COLS) {
+                if *group < TILE_COLS
+                    || !group.is_multiple_of(TILE_COLS)
+                    || !(group / TILE_COLS).is_power_of_two()
+                {
                     candle_core::bail!(
-                        "tiles: scale group {group} is not a multiple of {TILE_COLS}"
+                        "tiles: scale group {group} is not {TILE_COLS} times a power of two"
                     )
                 }
                 super::expect(sz, "scales", &[n, 2 * k.div_ceil(*group)], DType::F16)?;

@@ -2,8 +2,9 @@
 //! layout: `src/formats/w2416.rs`, kernels: `cuda/tiles.cu`).
 //!
 //! On the GPU with f16 activations and `m <=` [`TILES_MAX_M`] rows, one launch: codes
-//! dequantized in registers onto f16 tensor cores, outliers added in its epilogue (and,
-//! for the MLP's gate/up projection, SiLU·mul). Larger `m`: the weight is dequantized to
+//! turned into f16 `1024 + q` in registers for the tensor cores (weights as the mma's A
+//! operand), each group's scale and zero applied once per row and tile, outliers added in
+//! its epilogue (and, for the MLP's gate/up projection, SiLU·mul). Larger `m`: the weight is dequantized to
 //! f16 and candle's matmul (cuBLAS) runs. The CPU runs the reference
 //! ([`Tiles::dequantize_ref`] then a matmul in f32).
 
@@ -234,7 +235,7 @@ mod cuda {
         contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, with_view, Arg,
     };
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+    use candle_core::cuda_backend::cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
     use candle_core::{DType, Layout, Result, Shape, Tensor};
     use half::{bf16, f16};
@@ -253,13 +254,10 @@ mod cuda {
         Ok(n.max(1) as usize)
     }
 
-    /// Blocks per cluster (1 to 8): as many as fit one wave of resident blocks (five per SM:
-    /// registers and shared memory), with every warp at least two tile columns
-    /// (`CANDLE_LOWBIT_TILES_KS` overrides, for measuring). The kernel is latency-bound per
-    /// warp (BENCHMARKS.md), so its time follows the columns each warp walks: measured on the
-    /// H200 at m = 1 (int4, µs for ks 1 / 2 / 4 / 8): 4096x4096 21.9 / 22.3 / 16.2 / 13.3,
-    /// 11008x4096 40.2 / 26.0 / 26.1 / 35.1 (ks 4 and 8 spill into a second wave there).
-    fn cluster(pairs: usize, g: usize, sms: usize) -> usize {
+    /// Blocks per cluster (1 to 8): as many as fit one wave of resident blocks (`per_sm`, the
+    /// kernel's occupancy: its registers and shared memory), with every warp at least two
+    /// tile columns (`CANDLE_LOWBIT_TILES_KS` overrides, for measuring).
+    fn cluster(pairs: usize, g: usize, sms: usize, per_sm: usize) -> usize {
         static KS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
         let forced = *KS.get_or_init(|| {
             std::env::var("CANDLE_LOWBIT_TILES_KS")
@@ -270,9 +268,27 @@ mod cuda {
         if let Some(ks) = forced {
             return ks;
         }
-        let wave = 5 * sms / pairs.max(1);
+        let wave = per_sm.max(1) * sms / pairs.max(1);
         let columns = g / (WARPS * 2);
         wave.min(columns).clamp(1, 8)
+    }
+
+    /// Resident blocks per SM of a `tiles_mm` variant (its registers and shared memory),
+    /// asked of the driver once per kernel name.
+    fn occupancy(name: &str, func: &CudaFunction) -> Result<usize> {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+        static CACHE: Mutex<Option<HashMap<String, usize>>> = Mutex::new(None);
+        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        let map = cache.get_or_insert_with(HashMap::new);
+        if let Some(&n) = map.get(name) {
+            return Ok(n);
+        }
+        let n = func
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+            .map_err(candle_core::Error::wrap)? as usize;
+        map.insert(name.to_string(), n);
+        Ok(n)
     }
 
     /// The scale tensors as kernel arguments: (two-level?, sc, supers, plain, group).
@@ -353,7 +369,6 @@ mod cuda {
             Epi::SiluMul => (n / 2, r / 2),
             _ => (n, r.div_ceil(2)),
         };
-        let ks = cluster(pairs, g, sm_count(&dev)?);
         let name = format!(
             "tiles_mm_{}_{}_m{}",
             if two { "two" } else { "plain" },
@@ -365,6 +380,8 @@ mod cuda {
             if m <= 8 { 8 } else { 16 }
         );
         let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
+        let per_sm = occupancy(&name, &func)?;
+        let ks = cluster(pairs, g, sm_count(&dev)?, per_sm);
         let e = t.outliers.as_ref().map_or(0, |o| o.per_block);
         let cfg = LaunchConfig {
             grid_dim: ((pairs * ks) as u32, 1, 1),
