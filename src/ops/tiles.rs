@@ -63,8 +63,8 @@ pub fn tiles_plan(t: &Tiles, format: WeightFormat) -> Plan {
     };
     Plan {
         matmul: format!(
-            "{format}: tiled tensor-core kernel for f16 at m <= {TILES_MAX_M} (dequantized in registers), \
-             dequantize to f16 + cuBLAS above"
+            "{format}: tiled tensor-core kernel for f16 at m <= {TILES_MAX_M} (codes as f16 1024 + q \
+             in registers, scales per row and tile), dequantize to f16 + cuBLAS above"
         ),
         silu_mul: silu,
         f32_out: Ok(()),
@@ -274,7 +274,8 @@ mod cuda {
     }
 
     /// Resident blocks per SM of a `tiles_mm` variant (its registers and shared memory),
-    /// asked of the driver once per kernel name.
+    /// asked of the driver once per kernel name (one GPU model per process assumed; another
+    /// GPU gets the first one's figure, which only changes the cluster size chosen).
     fn occupancy(name: &str, func: &CudaFunction) -> Result<usize> {
         use std::collections::HashMap;
         use std::sync::Mutex;
