@@ -4,8 +4,8 @@
 //! On the GPU with f16 activations and `m <=` [`TILES_MAX_M`] rows, one launch: codes
 //! turned into f16 `1024 + q` in registers for the tensor cores (weights as the mma's A
 //! operand), each group's scale and zero applied once per row and tile, outliers added in
-//! its epilogue (and, for the MLP's gate/up projection, SiLU·mul). Larger `m`: the weight is dequantized to
-//! f16 and candle's matmul (cuBLAS) runs. The CPU runs the reference
+//! its epilogue (and, for the MLP's gate/up projection, SiLU·mul). Larger `m`: the weight is
+//! dequantized to f16 and candle's matmul (cuBLAS) runs. The CPU runs the reference
 //! ([`Tiles::dequantize_ref`] then a matmul in f32).
 
 use super::contiguous_slice;
