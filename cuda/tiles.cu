@@ -62,7 +62,8 @@
 // both row blocks' tiles of its column in straight-line code (their mma chains interleave).
 // The asynchronous dequantization of the paper: each warp keeps TILES_STAGES columns in
 // flight (cp.async into its own shared-memory ring: codes and scales; each warp stages the
-// descriptors of its own columns, so no block-wide barrier precedes the first copies), and
+// descriptors of its own columns, so no block-wide barrier precedes the first copies; a
+// uniform format's are implied by the column, so its first copies wait on no load), and
 // the next column's activations in registers, while the current column's codes become f16
 // pairs, are multiplied, and its scales are decoded and applied. KS blocks (a thread-block
 // cluster along x, KS 1..8, chosen by the host to fill one wave at the kernel's occupancy)
@@ -445,7 +446,11 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
     for (int b = 0; b < 2; ++b) {
         const int rb = b == 1 && !valid1 ? rbs[0] : rbs[b];
         src[b] = lane_src(rb, G, H, k, group, lane);
-        for (int g = first + lane * stride; g < G; g += 32 * stride) desc_sh[b * G + g] = __ldg(desc + (size_t)rb * G + g);
+        // A uniform format (every tile 4-bit, or none) has its descriptors implied: no load.
+        for (int g = first + lane * stride; g < G; g += 32 * stride)
+            desc_sh[b * G + g] = H == G   ? 0x80000000u | 256u * (uint32_t)g
+                                 : H == 0 ? 128u * (uint32_t)g
+                                          : __ldg(desc + (size_t)rb * G + g);
     }
     const int gshift = __ffs(group / 64) - 1;  // the host checks: group is 64 times a power of two
     __syncwarp();
@@ -532,7 +537,8 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
     cp_async_wait<0>();
     __syncthreads();  // every ring is drained before its memory holds partial sums
 
-    // Partial sums: red[warp][b][token][weight row r] (tokens past MM hold 0).
+    // Partial sums: red[warp][b][token][weight row r], written and reduced only for the
+    // m tokens that are stored (at m = 1 that is 64 of the 1024 entries: one per thread).
     float* red = sh.out.red[warp];
     const int gid = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -540,11 +546,11 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
 #pragma unroll
         for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int tok = 8 * nt + 2 * t + (i & 1), r = 16 * mb + gid + 8 * (i >> 1);
-                    red[(b * 16 + tok) * 32 + r] = nt < NT ? acc[b][mb][nt < NT ? nt : 0][i] : 0.f;
+                    if (tok < m) red[(b * 16 + tok) * 32 + r] = acc[b][mb][nt][i];
                 }
     __syncwarp();
     // Outliers (entries fetched before the main loop, see there).
@@ -573,7 +579,14 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
         }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < 2 * 16 * 32; idx += blockDim.x) {
+    // Entry u of the 2 m 32 stored ones: (b, token i, row r) at red index (16 b + i) 32 + r.
+    const int used = 2 * m * 32;
+    auto red_index = [m](int u) {
+        const int q = u >> 5, b = q >= m ? 1 : 0;  // q = b m + i
+        return (16 * b + q - b * m) * 32 + (u & 31);
+    };
+    for (int u = threadIdx.x; u < used; u += blockDim.x) {
+        const int idx = red_index(u);
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < TILES_NW; ++w) s += sh.out.red[w][idx];
@@ -583,18 +596,26 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
     else __syncthreads();
     float* fin = sh.out.fin;
     if (rank == 0) {
-        for (int idx = threadIdx.x; idx < 2 * 16 * 32; idx += blockDim.x) {
+        // The other blocks' sums: every remote load issued before the first is used, then
+        // added in rank order (deterministic).
+        for (int u = threadIdx.x; u < used; u += blockDim.x) {
+            const int idx = red_index(u);
+            float v[8];
+#pragma unroll
+            for (int r = 1; r < 8; ++r) v[r] = ld_cluster(&sh.out.red[0][idx], (uint32_t)min(r, ks - 1));
             float s = sh.out.red[0][idx];
-            for (int r = 1; r < ks; ++r) s += ld_cluster(&sh.out.red[0][idx], (uint32_t)r);
+#pragma unroll
+            for (int r = 1; r < 8; ++r)
+                if (r < ks) s += v[r];
             fin[idx] = s;
         }
     }
     if (ks > 1) cluster_sync();
     if (rank != 0) return;
     __syncthreads();
-    for (int idx = threadIdx.x; idx < 16 * 32 * 2; idx += blockDim.x) {
-        const int b = idx / (16 * 32), i = (idx / 32) % 16, r = idx % 32;
-        if (i >= m) continue;
+    for (int u = threadIdx.x; u < used; u += blockDim.x) {
+        const int idx = red_index(u);
+        const int b = idx >> 9, i = (idx >> 5) & 15, r = idx & 31;
         if (EPI == 2) {
             if (b != 0) continue;
             const float gt = __half2float(__float2half_rn(fin[i * 32 + r]));
@@ -603,7 +624,7 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
             reinterpret_cast<__half*>(y_out)[(size_t)i * (n / 2) + rbs[0] * 32 + r] = __float2half_rn(sg * up);
         } else {
             if (b == 1 && !valid1) continue;
-            const size_t o = (size_t)i * n + rbs[b] * 32 + r;
+            const size_t o = (size_t)i * n + (b == 0 ? rbs[0] : rbs[1]) * 32 + r;
             const float v = fin[idx];
             if (EPI == 1) reinterpret_cast<float*>(y_out)[o] = v;
             else reinterpret_cast<__half*>(y_out)[o] = __float2half_rn(v);
