@@ -75,8 +75,11 @@
 // + HFMA2 per code pair, weights as the B operand 22.3 / 28.3; weights as A, scales folded
 // out of the inner loop 22.9 / 27.5; then one lop3 per pair and lean address arithmetic
 // 18.5 / 23.2; then both tiles straight-line, 32-bit offsets, per-warp descriptors and
-// prefetched outliers 18.0 / 22.7 (m = 16: 19.4 / 33.3, was 31.5 / 52.7). Still latency-bound
-// per warp (about 0.36 instructions issued per cycle and scheduler), not DRAM-bound.
+// prefetched outliers 18.0 / 22.7 (m = 16: 19.4 / 33.3, was 31.5 / 52.7); then only the m
+// stored token rows reduced at the end, the cluster's remote loads issued at once 14.5 / 19.3
+// (4096x4096: 11.8 / 13.5 -> 7.6 / 8.9, where the end was most of the time). Still latency-
+// bound per warp (about 0.36 instructions issued per cycle and scheduler), not DRAM-bound; a
+// two-stage ring at six blocks per SM helps 11008x4096 and loses elsewhere and end to end.
 //
 //   x  f16 [m, k], m <= 16 (MM = 8: m <= 8, one 8-token n-block; MM = 16: two; token rows past m
 //      read row m - 1 and their results are never stored)
