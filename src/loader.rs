@@ -271,7 +271,7 @@ pub enum StockModel {
     Llama {
         model: Box<stock_llama::Llama>,
         cache: Box<stock_llama::Cache>,
-        config: Config,
+        config: Box<Config>,
         dtype: DType,
         device: Device,
     },
@@ -294,7 +294,7 @@ impl StockModel {
                 let config = hf_config(dir)?;
                 let model = stock_llama::Llama::load(hf_vb(dir, dtype, device)?, &config)?;
                 let cache = stock_llama::Cache::new(true, dtype, &config, device)?;
-                Ok(Self::Llama { model: Box::new(model), cache: Box::new(cache), config, dtype, device: device.clone() })
+                Ok(Self::Llama { model: Box::new(model), cache: Box::new(cache), config: Box::new(config), dtype, device: device.clone() })
             }
         }
     }

@@ -271,11 +271,7 @@ impl CustomOp1 for SiluMul {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let shape = silu_mul_shape(l);
         let inter = *shape.dims().last().unwrap_or(&0);
-        let rows = if inter == 0 {
-            0
-        } else {
-            shape.elem_count() / inter
-        };
+        let rows = shape.elem_count().checked_div(inter).unwrap_or(0);
         Ok((cuda::silu_mul(s, l, rows, inter)?, shape))
     }
 }

@@ -228,11 +228,11 @@ impl CustomOp2 for Gemv {
         let (m, n, k) = dims(l1, l2)?;
         self.check(s1.dtype())?;
         let size = s1.dtype().size_in_bytes();
-        if !(1..=GEMV_MAX_M).contains(&m) || (k * size) % 16 != 0 {
+        if !(1..=GEMV_MAX_M).contains(&m) || !(k * size).is_multiple_of(16) {
             candle_core::bail!("gemv: m {m} / k {k} out of the kernel's range")
         }
         for (l, what) in [(l1, "x"), (l2, "w")] {
-            if (l.start_offset() * size) % 16 != 0 {
+            if !(l.start_offset() * size).is_multiple_of(16) {
                 candle_core::bail!(
                     "gemv: {what} starts at element {}, not 16-byte aligned",
                     l.start_offset()
