@@ -449,7 +449,8 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
     for (int b = 0; b < 2; ++b) {
         const int rb = b == 1 && !valid1 ? rbs[0] : rbs[b];
         src[b] = lane_src(rb, G, H, k, group, lane);
-        // A uniform format (every tile 4-bit, or none) has its descriptors implied: no load.
+        // A uniform format (every tile 4-bit, or none) has its descriptors implied: no load
+        // (the same values as src/formats/w2416.rs `descriptors` builds for such flags).
         for (int g = first + lane * stride; g < G; g += 32 * stride)
             desc_sh[b * G + g] = H == G   ? 0x80000000u | 256u * (uint32_t)g
                                  : H == 0 ? 128u * (uint32_t)g
@@ -627,6 +628,7 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
             reinterpret_cast<__half*>(y_out)[(size_t)i * (n / 2) + rbs[0] * 32 + r] = __float2half_rn(sg * up);
         } else {
             if (b == 1 && !valid1) continue;
+            // (a select, not rbs[b]: a run-time index would put rbs in local memory)
             const size_t o = (size_t)i * n + (b == 0 ? rbs[0] : rbs[1]) * 32 + r;
             const float v = fin[idx];
             if (EPI == 1) reinterpret_cast<float*>(y_out)[o] = v;
