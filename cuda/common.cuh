@@ -94,6 +94,23 @@ __device__ __forceinline__ float ld_cluster(const float* p, uint32_t rank) {
 #endif
 }
 
+// Asynchronous global-to-shared copies (sm_80+). `cp_async_commit` closes a group of the
+// thread's copies; `cp_async_wait<N>` waits until at most N of its groups are pending (a
+// barrier then makes the other threads' copies visible). `cp_async16_zfill`: 16 bytes to
+// shared address `sa`, the first `src_bytes` (0 or 16 here) from `gmem`, the rest zero.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+__device__ __forceinline__ void cp_async16_zfill(uint32_t sa, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(gmem), "r"(src_bytes));
+}
+
+// 4 bytes from `gmem` to shared address `sa` (both 4-byte aligned).
+__device__ __forceinline__ void cp_async4(uint32_t sa, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sa), "l"(gmem));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

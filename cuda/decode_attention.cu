@@ -59,7 +59,7 @@ using namespace lowbit;
 
 #define ATTN_MAX_G 8
 #define ATTN_THREADS 128
-#define ATTN_MERGE 8
+#define ATTN_MERGE 16
 #define ATTN_MAX_CLUSTER 8
 
 // Every input of one launch (the host fills the same struct, src/ops/decode_cuda.rs).
@@ -77,6 +77,7 @@ struct AttnParams {
     void* out;
     int nh, nkv, hd, max_len, n_split, chunk, cluster, rec;
     float scale, pad;
+    const uint8_t* kv_end;  // one past the cache's last byte (K and V)
     KvThr thr_k, thr_v;
 };
 
@@ -426,9 +427,24 @@ __device__ void attn_decode(const AttnParams& p) {
 // lop3 into the 0x6400 exponent (no per-element conversion); kv4_element (kv_codec.cuh)
 // gives the nibble order that makes every fragment one or two instructions away from the
 // loaded words. Four warps share a block's chunk of keys (steps interleaved) and merge in
-// shared memory; blocks merge as in the generic kernel (attn_finish).
+// shared memory; blocks merge as in the generic kernel (attn_finish). Each warp streams
+// its steps through its own ring of TC_STAGES shared-memory stages (cp.async, 16-byte
+// copies of the records as they lie): TC_STAGES - 1 steps are in flight while one is
+// computed, without holding registers (the records are 68 or 36 bytes, so a lane's
+// fragment words are not 16-byte aligned in global memory; in shared memory each is one
+// 32-bit load).
 #define TC_WARPS 4
 #define TC_STEP 16
+#define TC_STAGES 4
+// The tensor-core kernel's scores are in log2 units (q scaled by log2 e): ex2 is one MUFU.
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ void mma_f16_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                               uint32_t b0, uint32_t b1) {
@@ -462,40 +478,96 @@ __device__ __forceinline__ uint32_t half2_bits(float a, float b) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// One warp step's loads: K codes of keys k0 + qr, k0 + 8 + qr (part qc); K scales of the
-// score fragment's keys k0 + 8t + 2qc + i; V codes and scales of keys k0 + 2qc +
-// {0, 1, 8, 9} (group qr). Keys past `end` load zeros.
-template <int HD> struct TcLoads {
-    static constexpr int KW = HD / 32, VW = HD / 64;
-    uint32_t kw[2][KW], km[2][2], vw[4][VW], vm[4];
-    __device__ __forceinline__ void load(const uint8_t* kb, const uint8_t* vb, int rec, int k0, int end, int qr, int qc) {
+// One warp's ring stage: the K and V records of one step's TC_STEP keys, copied as they
+// lie in global memory in 16-byte chunks from the boundary at or before the first key's
+// record (the `lead` bytes before it, the end of the row before, come along unused).
+// Chunks past the step's last valid key are zero, and the one holding its end comes
+// whole: the records of keys >= end in a stage are zero, stale or the next rows' bytes,
+// so the kernel masks every value it takes from them. A record is 4-byte aligned (rec
+// is), so every fragment word is one 32-bit shared load.
+template <int HD> struct TcStage {
+    static constexpr int REC = HD / 2 + 4, BYTES = TC_STEP * REC + 16, CHUNKS = BYTES / 16;
+    uint8_t k[BYTES], v[BYTES];
+};
+
+__device__ __forceinline__ uint32_t lds32(uint32_t sa) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(sa));
+    return v;
+}
+
+// One warp's walk through its ring: what stays fixed over its steps. A warp's steps are
+// TC_WARPS * TC_STEP keys apart, STEP_BYTES (a multiple of 16) in global memory, so the
+// lead is the same for all of them.
+template <int HD> struct TcRing {
+    using S = TcStage<HD>;
+    static constexpr int STEP_BYTES = TC_WARPS * TC_STEP * S::REC;
+    const uint8_t* src[2];  // K, V: the 16-byte boundary at or before step 0's first record
+    int lead[2];            // bytes from there to that record
+    uint32_t stage0;        // shared address of this warp's stage 0, plus 16 * lane
+    int lane16;
+    __device__ __forceinline__ void init(const uint8_t* kb, const uint8_t* vb, int k0_first, TcStage<HD>* ring, int lane) {
 #pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            const int key = k0 + 8 * t + qr;
-            const unsigned int* r = reinterpret_cast<const unsigned int*>(kb + (size_t)key * rec + qc * (HD / 8));
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* a = (h ? vb : kb) + (size_t)k0_first * S::REC;
+            lead[h] = (int)((uintptr_t)a & 15u);
+            src[h] = a - lead[h];
+        }
+        lane16 = 16 * lane;
+        stage0 = (uint32_t)__cvta_generic_to_shared(ring) + lane16;
+    }
+    // Copies of step i (its first `keys` keys valid) into stage i % TC_STAGES: whole
+    // chunks, the one holding the end of the last valid record included, the chunks after
+    // it zero. EXACT (a step that ends within 16 bytes of the cache's end): nothing past
+    // the last valid byte is read; that chunk's valid words (records are 4-byte aligned)
+    // come in 4-byte copies (the rest of it is left as it was: masked).
+    template <bool EXACT> __device__ __forceinline__ void issue(int i, int keys) const {
+        const uint32_t d = stage0 + (uint32_t)(i % TC_STAGES) * (uint32_t)sizeof(S);
+        constexpr int J = (S::CHUNKS + 31) / 32;  // chunks per lane (the last one: some lanes)
+        if constexpr (!EXACT) {
 #pragma unroll
-            for (int w = 0; w < KW; ++w) kw[t][w] = key < end ? __ldcg(r + w) : 0u;
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t* g = src[h] + (size_t)i * STEP_BYTES + lane16;
+                const int rem = lead[h] + keys * S::REC - lane16;  // valid bytes from this lane's first chunk
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int kk = k0 + 8 * t + 2 * qc + i;
-                km[t][i] = kk < end ? __ldcg(reinterpret_cast<const unsigned int*>(kb + (size_t)kk * rec + HD / 2)) : 0u;
+                for (int j = 0; j < J; ++j)
+                    if (j < S::CHUNKS / 32 || lane16 + 512 * j < 16 * S::CHUNKS)
+                        cp_async16_zfill(d + h * S::BYTES + 512 * j, rem > 512 * j ? g + 512 * j : src[h],
+                                         rem > 512 * j ? 16 : 0);
+            }
+        } else {
+            // Rare (once per cache end): kept small, not unrolled.
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll 1
+                for (int j = 0; j < J; ++j) {
+                    if (j >= S::CHUNKS / 32 && lane16 + 512 * j >= 16 * S::CHUNKS) continue;
+                    const uint8_t* g = src[h] + (size_t)i * STEP_BYTES + lane16 + 512 * j;
+                    const uint32_t sa = d + h * S::BYTES + 512 * j;
+                    const int n = lead[h] + keys * S::REC - lane16 - 512 * j;  // valid bytes from g
+                    if (n >= 16 || n <= 0) {
+                        cp_async16_zfill(sa, n > 0 ? g : src[h], n > 0 ? 16 : 0);
+                    } else {
+#pragma unroll 1
+                        for (int w = 0; 4 * w < n; ++w) cp_async4(sa + 4 * w, g + 4 * w);
+                    }
+                }
             }
         }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int key = k0 + 2 * qc + (u & 1) + 8 * (u >> 1);
-            const unsigned int* r = reinterpret_cast<const unsigned int*>(vb + (size_t)key * rec + qr * (HD / 16));
-#pragma unroll
-            for (int w = 0; w < VW; ++w) vw[u][w] = key < end ? __ldcg(r + w) : 0u;
-            vm[u] = key < end ? __ldcg(reinterpret_cast<const unsigned int*>(vb + (size_t)key * rec + HD / 2)) : 0u;
-        }
+    }
+    // Shared address of the first record of step i's K (h 0) or V (h 1), minus 16 * lane.
+    __device__ __forceinline__ uint32_t rows(int i, int h) const {
+        return stage0 - lane16 + (uint32_t)(i % TC_STAGES) * (uint32_t)sizeof(S) + h * S::BYTES + lead[h];
     }
 };
 
-// grid (n_split, nkv, b), block TC_WARPS * 32, dynamic smem (g*HD + TC_WARPS*g*HD) floats.
-template <typename T, int HD, bool APPEND, bool PREFETCH>
+// grid (n_split, nkv, b), block TC_WARPS * 32, dynamic smem g*HD floats (q_sh) and then
+// max(TC_WARPS*g*HD floats, TC_WARPS * TC_STAGES stages): the warps' rings, which the
+// warps' outputs (and, before the first copy of the block holding the new row, its
+// rows to encode) reuse.
+template <typename T, int HD, bool APPEND>
 __device__ void attn_decode_kv4_tc(const AttnParams& p) {
-    constexpr int KS = HD / 16, MT = HD / 16, VW = HD / 64;
+    constexpr int KS = HD / 16, MT = HD / 16, KW = HD / 32, VW = HD / 64, REC = TcStage<HD>::REC;
     extern __shared__ float sh[];
     __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
     __shared__ float wm_sh[TC_WARPS][ATTN_MAX_G], wl_sh[TC_WARPS][ATTN_MAX_G];
@@ -503,7 +575,7 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     __shared__ bool last_sh;
     pdl_trigger();
     const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
-    const int nh = p.nh, nkv = p.nkv, g = nh / nkv, rec = p.rec;
+    const int nh = p.nh, nkv = p.nkv, g = nh / nkv;
     const int len = (int)p.pos[0] + 1, j_new = len - 1;
     const int c = min(p.chunk, max(TC_WARPS * TC_STEP, (len + p.n_split - 1) / p.n_split));
     const int start = split * c, n_active = (len + c - 1) / c;
@@ -520,17 +592,37 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     const int pad = (int)p.pads[s];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, qr = lane >> 2, qc = lane & 3;
     float* q_sh = sh;               // [g, HD]; then the block's output
-    float* wo_sh = q_sh + g * HD;   // [TC_WARPS, g, HD]: the warps' outputs
-    const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)p.max_len * rec;
+    float* wo_sh = q_sh + g * HD;   // [TC_WARPS, g, HD]: the warps' outputs (after the rings)
+    const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)p.max_len * REC;
     const uint8_t* kb = p.k + head_off;
     const uint8_t* vb = p.v + head_off;
     constexpr int half = HD / 2;
     const int rpos = max(j_new - pad, 0);
     const int jr = (threadIdx.x % HD) % half;
     const float rc = p.cos[(size_t)rpos * half + jr], rs = p.sin[(size_t)rpos * half + jr];
+    // This warp's steps: keys k0_first + i * TC_WARPS * TC_STEP.
     const int k0_first = start + warp * TC_STEP;
-    TcLoads<HD> first;
-    if (PREFETCH && !has_new) first.load(kb, vb, rec, k0_first, end, qr, qc);
+    const int n_steps = k0_first < end ? (end - k0_first + TC_WARPS * TC_STEP - 1) / (TC_WARPS * TC_STEP) : 0;
+    auto k0_of = [&](int i) { return k0_first + i * TC_WARPS * TC_STEP; };
+    auto keys_of = [&](int i) { return min(TC_STEP, end - k0_of(i)); };
+    TcRing<HD> ring;
+    ring.init(kb, vb, k0_first, reinterpret_cast<TcStage<HD>*>(wo_sh) + warp * TC_STAGES, lane);
+    // The step, if any, whose whole last chunk could reach past the cache's end.
+    const int exact_step = n_steps > 0 && vb + (size_t)end * REC + 16 > p.kv_end ? n_steps - 1 : -1;
+    auto issue = [&](int i) {
+        if (i == exact_step) ring.template issue<true>(i, keys_of(i));
+        else ring.template issue<false>(i, keys_of(i));
+    };
+    // The first TC_STAGES - 1 steps in flight; before pdl_wait where the block does not
+    // hold the new row (the older rows are not written by this step's kernels).
+    auto prologue = [&]() {
+#pragma unroll
+        for (int i = 0; i < TC_STAGES - 1; ++i) {
+            if (i < n_steps) issue(i);
+            cp_async_commit();
+        }
+    };
+    if (!has_new) prologue();
     pdl_wait();  // qkv comes from the previous kernel
     const T* row_gl_rd = static_cast<const T*>(p.qkv) + (size_t)s * (nh + 2 * nkv) * HD;
     {
@@ -538,7 +630,7 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
         for (int idx = threadIdx.x; idx < g * HD; idx += blockDim.x) {
             const int hh = idx / HD, d = idx % HD;
             const float x0 = to_f32(q_gl_rd[hh * HD + jr]), x1 = to_f32(q_gl_rd[hh * HD + jr + half]);
-            q_sh[idx] = (d < half ? x0 * rc - x1 * rs : x1 * rc + x0 * rs) * p.scale;
+            q_sh[idx] = (d < half ? x0 * rc - x1 * rs : x1 * rc + x0 * rs) * (p.scale * LOG2E);
         }
     }
     if (APPEND && has_new) {
@@ -556,10 +648,11 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
             xv[j + half] = to_f32(v_gl_rd1[j + half]);
         }
         __syncthreads();
-        if (warp == 0) Kv4::quantize_warp(xk, p.k + head_off + (size_t)j_new * rec, HD, 0, codes_sh[0], lane);
-        if (warp == 1) Kv4::quantize_warp(xv, p.v + head_off + (size_t)j_new * rec, HD, 1, codes_sh[1], lane);
+        if (warp == 0) Kv4::quantize_warp(xk, p.k + head_off + (size_t)j_new * REC, HD, 0, codes_sh[0], lane);
+        if (warp == 1) Kv4::quantize_warp(xv, p.v + head_off + (size_t)j_new * REC, HD, 1, codes_sh[1], lane);
     }
-    __syncthreads();
+    __syncthreads();  // q_sh written; the new row's record written and xk, xv read
+    if (has_new) prologue();
     // Q fragments: row qr (a head of the group; rows >= g and 8..15 are zero), columns
     // 2qc, 2qc+1 (a0) and 2qc+8, 2qc+9 (a2) of each slice of 16; and Σq of the f16 q.
     uint32_t qa[KS][2];
@@ -584,18 +677,33 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
     float m_run = -INFINITY, l_run = 0.f, pm_run = 0.f;
-    // Each step's loads are issued one step ahead (the first before pdl_wait, where the
-    // block does not hold the new row).
-    TcLoads<HD> cur = first;
-    if (!PREFETCH || has_new) cur.load(kb, vb, rec, k0_first, end, qr, qc);
-    for (int k0 = k0_first; k0 < end; k0 += TC_WARPS * TC_STEP) {
-        TcLoads<HD> nxt;
-        if (PREFETCH && k0 + TC_WARPS * TC_STEP < end) nxt.load(kb, vb, rec, k0 + TC_WARPS * TC_STEP, end, qr, qc);
-        if (!PREFETCH && k0 != k0_first) cur.load(kb, vb, rec, k0, end, qr, qc);
-        const auto& kw = cur.kw;
-        const auto& km = cur.km;
-        const auto& vw = cur.vw;
-        const auto& vm = cur.vm;
+    // This lane's fragment words, as byte offsets from a stage's first record.
+    const uint32_t off_k = qr * REC + qc * (HD / 8), off_m = 2 * qc * REC + HD / 2, off_v = 2 * qc * REC + qr * (HD / 16);
+    for (int i = 0; i < n_steps; ++i) {
+        if (i + TC_STAGES - 1 < n_steps) issue(i + TC_STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<TC_STAGES - 1>();
+        __syncwarp();  // every lane's copies of step i are in
+        const int k0 = k0_of(i);
+        const uint32_t ks_ = ring.rows(i, 0), vs_ = ring.rows(i, 1);
+        // K codes of keys k0 + qr, k0 + 8 + qr (part qc); K scales of the score fragment's
+        // keys k0 + 8t + 2qc + i; V codes and scales of keys k0 + 2qc + {0, 1, 8, 9} (group qr).
+        uint32_t kw[2][KW], km[2][2], vw[4][VW], vm[4];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+            for (int w = 0; w < KW; ++w) kw[t][w] = lds32(ks_ + off_k + 8 * t * REC + 4 * w);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) km[t][e] = lds32(ks_ + off_m + (8 * t + e) * REC);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int r = (u & 1) + 8 * (u >> 1);
+#pragma unroll
+            for (int w = 0; w < VW; ++w) vw[u][w] = lds32(vs_ + off_v + r * REC + 4 * w);
+            vm[u] = lds32(vs_ + off_m + r * REC);
+        }
+        __syncwarp();  // stage i is read: the next step's copies may reuse it
         // Scores of keys k0 + 8t + 2qc + i for head qr.
         float sc[2][4];
 #pragma unroll
@@ -607,22 +715,25 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
                 mma_f16_16816(sc[t], qa[ks][0], 0u, qa[ks][1], 0u, nib_lo(w), nib_hi(w));
             }
         }
+        // Keys k0 + 8t + 2qc + e, u = 2t + e: the same keys as the V words vw[u], vm[u].
         float sv[4], mloc = -INFINITY;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-            const int t = u >> 1, i = u & 1, key = k0 + 8 * t + 2 * qc + i;
+            const int t = u >> 1, e = u & 1, key = k0 + 8 * t + 2 * qc + e;
             const bool ok = key < end && (key >= pad || key == j_new);
-            sv[u] = ok ? fmaf(h_lo(km[t][i]), sc[t][i], h_hi(km[t][i]) * qsum) : -INFINITY;
+            sv[u] = ok ? fmaf(h_lo(km[t][e]), sc[t][e], h_hi(km[t][e]) * qsum) : -INFINITY;
+            vm[u] = ok ? vm[u] : 0u;  // a stale record's scales could be inf or NaN
             mloc = fmaxf(mloc, sv[u]);
         }
         mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, 1));
         mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, 2));
         const float m_new = fmaxf(m_run, mloc);
-        const float alpha = (m_run == -INFINITY) ? 0.f : __expf(m_run - m_new);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // every key so far masked
+        const float alpha = ex2(m_run - m_use);  // 1 where the maximum did not grow, 0 at the start
         float pv[4], psum = 0.f, pmin = 0.f;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-            pv[u] = sv[u] == -INFINITY ? 0.f : __expf(sv[u] - m_new);
+            pv[u] = ex2(sv[u] - m_use);
             psum += pv[u];
             pmin += pv[u] * h_hi(vm[u]);
         }
@@ -631,9 +742,12 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
         m_run = m_new;
         // Oᵀ += C_vᵀ · (P·diag(v_scale))ᵀ: A the V codes (rows: columns d of V, cols: the
         // step's keys), B this thread's probabilities as they are (head qr, keys 2qc + i).
-        const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * qc), al1 = __shfl_sync(0xffffffffu, alpha, 8 * qc + 4);
+        // (Skipped, warp-uniformly, where no head's maximum grew: alpha is then 1.)
+        if (__any_sync(0xffffffffu, alpha != 1.f)) {
+            const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * qc), al1 = __shfl_sync(0xffffffffu, alpha, 8 * qc + 4);
 #pragma unroll
-        for (int m = 0; m < MT; ++m) { acc[m][0] *= al0; acc[m][1] *= al1; acc[m][2] *= al0; acc[m][3] *= al1; }
+            for (int m = 0; m < MT; ++m) { acc[m][0] *= al0; acc[m][1] *= al1; acc[m][2] *= al0; acc[m][3] *= al1; }
+        }
         const uint32_t pb0 = half2_bits(pv[0] * h_lo(vm[0]), pv[1] * h_lo(vm[1]));
         const uint32_t pb1 = half2_bits(pv[2] * h_lo(vm[2]), pv[3] * h_lo(vm[3]));
 #pragma unroll
@@ -646,13 +760,13 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
                 mma_f16_16816(acc[4 * w + mm], nib_lo(a), nib_hi(a), nib_lo(b), nib_hi(b), pb0, pb1);
             }
         }
-        cur = nxt;
     }
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
     pm_run += __shfl_xor_sync(0xffffffffu, pm_run, 1);
     pm_run += __shfl_xor_sync(0xffffffffu, pm_run, 2);
-    __syncthreads();  // every warp is past its reads of q_sh and of the new rows in wo_sh
+    cp_async_wait<0>();  // only empty groups are left; none may land after the rings are reused
+    __syncthreads();     // every warp is past its reads of q_sh and of its ring
     const float pm0 = __shfl_sync(0xffffffffu, pm_run, 8 * qc), pm1 = __shfl_sync(0xffffffffu, pm_run, 8 * qc + 4);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -678,36 +792,26 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
 #pragma unroll
         for (int w = 0; w < TC_WARPS; ++w) {
             if (wm_sh[w][hh] == -INFINITY) continue;
-            const float e = __expf(wm_sh[w][hh] - m);
+            const float e = ex2(wm_sh[w][hh] - m);
             o += e * wo_sh[(w * g + hh) * HD + d];
             l += e * wl_sh[w][hh];
         }
         o_sh[idx] = o;
-        if (d == 0) { m_sh[hh] = m; l_sh[hh] = l; }
+        if (d == 0) { m_sh[hh] = m * LN2; l_sh[hh] = l; }  // attn_finish merges natural-log maxima
     }
     __syncthreads();
     attn_finish<T>(p, o_sh, m_sh, l_sh, &last_sh, n_active, in_cluster);
 }
 
-// attn_decode_<dtype>_kv4_h<HD>[_append][_nopf]: _nopf (the host's default) loads each
-// step's rows when the step starts (128 registers: four blocks per SM); the other loads
-// them one step ahead (144).
+// attn_decode_<dtype>_kv4_h<HD>[_append]
 #define ATTN_TC_KERNEL(SUF, T, HD)                                                        \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
         attn_decode_##SUF##_kv4_h##HD(const __grid_constant__ AttnParams p) {             \
-        attn_decode_kv4_tc<T, HD, false, true>(p);                                        \
+        attn_decode_kv4_tc<T, HD, false>(p);                                              \
     }                                                                                     \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
         attn_decode_##SUF##_kv4_h##HD##_append(const __grid_constant__ AttnParams p) {    \
-        attn_decode_kv4_tc<T, HD, true, true>(p);                                         \
-    }                                                                                     \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
-        attn_decode_##SUF##_kv4_h##HD##_nopf(const __grid_constant__ AttnParams p) {      \
-        attn_decode_kv4_tc<T, HD, false, false>(p);                                       \
-    }                                                                                     \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
-        attn_decode_##SUF##_kv4_h##HD##_append_nopf(const __grid_constant__ AttnParams p) { \
-        attn_decode_kv4_tc<T, HD, true, false>(p);                                        \
+        attn_decode_kv4_tc<T, HD, true>(p);                                               \
     }
 ATTN_TC_KERNEL(f32, float, 64)
 ATTN_TC_KERNEL(f32, float, 128)

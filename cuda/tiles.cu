@@ -345,10 +345,6 @@ __device__ __forceinline__ TileSrc tile_src(const uint32_t* codes, const uint32_
     return s;
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
 // One warp's ring of TILES_STAGES columns in flight: per stage and row block, the lane's
 // code chunks (a 2-bit tile fills chunk 0) and its 16 bytes of scales.
 struct RingStage {

@@ -19,10 +19,11 @@ use half::{bf16, f16};
 const ATTN_THREADS: u32 = 128;
 const ATTN_UNROLL: usize = 4;
 
-/// Warps per block and keys per warp step of the tensor-core kv4 kernel (TC_WARPS,
-/// TC_STEP in cuda/decode_attention.cu).
+/// Warps per block, keys per warp step and ring stages per warp of the tensor-core kv4
+/// kernel (TC_WARPS, TC_STEP, TC_STAGES in cuda/decode_attention.cu).
 const TC_WARPS: usize = 4;
 const TC_STEP: usize = 16;
+const TC_STAGES: usize = 4;
 
 fn grid(x: usize, y: usize, z: usize, threads: u32, smem: u32) -> LaunchConfig {
     LaunchConfig {
@@ -201,12 +202,38 @@ fn attn_chunk(max_len: usize, batch_rows: usize) -> usize {
     }
 }
 
-/// Keys per block of the tensor-core kv4 kernel for caches of more than 8192 rows (a block
-/// streams its keys in four warps; longer chunks leave fewer partials to merge). H200, 32
-/// heads of 128 at L = 16k, batch 1: 60.0 / 57.1 / 61.2 µs at 256 / 512 / 1024.
-const TC_LONG_CHUNK: usize = 512;
+/// Keys per block of the tensor-core kv4 kernel for caches of more than 8192 rows: the
+/// cache split into as many chunks as keep `heads` (batch × KV heads) × chunks within one
+/// wave of resident blocks (`slots`: four per SM), at most [`TC_MAX_SPLITS`]. A block's
+/// fixed work (the query, its partials, the merge) is paid per chunk and a second wave
+/// of a few blocks costs a whole block time. H200, 32 KV heads of 128 at L = 16k, batch
+/// 1, fixed chunks (µs at 256 / 512 / 1024 / 2048 / 4096 keys): 51.0 / 49.1 / 45.3 / 57.2 /
+/// 92.0 (1024: 17 chunks, 544 blocks, one more than a wave); batch 8 317 / 267 / 242 / 232
+/// / 230; batch 32 1266 / 1026 / 910 / 862 / 853; 8 KV heads, batch 1 41.3 / 31.0 / 39.9 /
+/// 46.9 / 52.2, batch 8 145 / 110 / 86.6 / 84.8 / 102.
+fn tc_long_chunk_for(max_len: usize, heads: usize, slots: usize) -> usize {
+    let splits = (slots / heads.max(1)).clamp(1, TC_MAX_SPLITS);
+    max_len.div_ceil(splits)
+}
 
-/// `CANDLE_LOWBIT_TC_CHUNK`: overrides [`TC_LONG_CHUNK`] (for measuring; read once).
+/// Most key chunks per KV head of the tensor-core kv4 kernel at long contexts (the last
+/// block of a head merges them all).
+const TC_MAX_SPLITS: usize = 32;
+
+/// Resident blocks per SM of the tensor-core kv4 kernel (127 registers x 128 threads).
+const TC_BLOCKS_PER_SM: usize = 4;
+
+fn sm_count(dev: &candle_core::CudaDevice) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let n = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(candle_core::Error::wrap)?;
+    Ok(n.max(1) as usize)
+}
+
+/// `CANDLE_LOWBIT_TC_CHUNK`: overrides [`tc_long_chunk_for`] (for measuring; read once).
 fn tc_long_chunk() -> Option<usize> {
     static C: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *C.get_or_init(|| {
@@ -215,15 +242,6 @@ fn tc_long_chunk() -> Option<usize> {
             .and_then(|v| v.parse().ok())
             .filter(|&c: &usize| c >= 64 && c % 64 == 0)
     })
-}
-
-/// Whether the tensor-core kv4 kernel loads each step's rows one step ahead (off unless
-/// `CANDLE_LOWBIT_TC_PREFETCH=1`; read once). Off it needs 128 registers instead of 144,
-/// four blocks per SM instead of three: H200, 32 heads of 128 at L = 16k, batch 1, chunk
-/// 512: 57.1 µs against 59.4; batch 8: 322 against 382.
-fn tc_prefetch() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("CANDLE_LOWBIT_TC_PREFETCH").is_ok_and(|v| v == "1"))
 }
 
 /// Blocks per thread-block cluster of `attn_decode` (ATTN_MAX_CLUSTER in its header): at
@@ -274,6 +292,7 @@ struct AttnParams {
     rec: i32,
     scale: f32,
     pad: f32,
+    kv_end: u64,
     thr_k: KvThr,
     thr_v: KvThr,
 }
@@ -331,7 +350,9 @@ pub(super) fn decode_attention(
         };
         let chunk = match (tc, tc_long_chunk()) {
             (true, Some(c)) if max_len > 8192 => c,
-            (true, None) if max_len > 8192 => TC_LONG_CHUNK,
+            (true, None) if max_len > 8192 => {
+                tc_long_chunk_for(max_len, b * nkv, TC_BLOCKS_PER_SM * sm_count(dev)?)
+            }
             _ => attn_chunk(max_len, batch_rows),
         };
         let n_split = max_len.div_ceil(chunk);
@@ -348,7 +369,10 @@ pub(super) fn decode_attention(
                 0
             };
         let smem = if tc {
-            (g * hd + TC_WARPS * g * hd) * 4
+            // q, then the warps' rings (a stage: K and V records of TC_STEP keys and 16
+            // bytes of lead each), reused for the warps' outputs.
+            let ring = TC_WARPS * TC_STAGES * 2 * (TC_STEP * rec + 16);
+            g * hd * 4 + ring.max(TC_WARPS * g * hd * 4)
         } else {
             (g * hd + g * chunk + ATTN_THREADS as usize * epl * g) * 4
         };
@@ -379,17 +403,23 @@ pub(super) fn decode_attention(
             }
             _ => candle_core::bail!("decode_attention: no cache view"),
         };
+        if tc && k_addr % 16 != 0 {
+            // The kernel copies records from the 16-byte boundary at or before them.
+            candle_core::bail!(
+                "decode_attention: a kv4 cache must start at a 16-byte boundary, got a view at byte offset {} ({l2:?})",
+                l2.start_offset()
+            )
+        }
         let v_addr = k_addr + (bytes / 2) as u64;
         let part_o = unsafe { dev.alloc::<f32>(b * nh * n_split * hd)? };
         let part_ml = unsafe { dev.alloc::<f32>(b * nh * n_split * 2)? };
         let out = unsafe { dev.alloc::<T>(b * nh * hd)? };
         let name = format!(
-            "attn_decode_{}_{}{}{}{}",
+            "attn_decode_{}_{}{}{}",
             suffix(T::DTYPE)?,
             codec.map_or("dense", |c| c.name()),
             if tc { format!("_h{hd}") } else { String::new() },
             if append { "_append" } else { "" },
-            if tc && !tc_prefetch() { "_nopf" } else { "" }
         );
         let func = dev.get_or_load_custom_func(&name, "decode_attention", ptx::DECODE_ATTENTION)?;
         let thr = |kv| codec.map(|c| c.thr(kv)).unwrap_or_default();
@@ -422,6 +452,7 @@ pub(super) fn decode_attention(
                     rec: rec as i32,
                     scale: 1f32 / (hd as f32).sqrt(),
                     pad: 0.0,
+                    kv_end: k_addr + bytes as u64,
                     thr_k: thr(0),
                     thr_v: thr(1),
                 };
