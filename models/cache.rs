@@ -180,6 +180,36 @@ impl Cache {
         self.kvs.iter().map(KvCache::bytes).sum()
     }
 
+    /// Rows `0..len` of every layer's cache, for `b` unpadded sequences, written from
+    /// K and V values drawn from N(0, 1) (K rotated for its positions, as a prefill
+    /// writes it) instead of a prompt's: the state a `len`-token prompt leaves, for timing
+    /// decode steps at contexts whose prefill would take minutes (random-weight models,
+    /// speed only). Drawn in `dtype` in blocks of at most 1024 rows; the next forward or
+    /// decode step continues at position `len`.
+    pub fn fill_random(&mut self, b: usize, len: usize, dtype: DType) -> Result<()> {
+        if b == 0 || len == 0 || len > self.max_len {
+            candle_core::bail!(
+                "fill_random: batch {b} x {len} rows for a cache of {} tokens",
+                self.max_len
+            )
+        }
+        self.clear();
+        let pads = vec![0; b];
+        const BLOCK: usize = 1024;
+        for l in 0..self.kvs.len() {
+            let width = self.kvs[l].heads().qkv_width();
+            for s in (0..len).step_by(BLOCK) {
+                let n = BLOCK.min(len - s);
+                let qkv =
+                    Tensor::randn(0f32, 1f32, (b, n, width), &self.device)?.to_dtype(dtype)?;
+                let p = self.step_positions(&pads, Tensor::new(&[s as u32], &self.device)?)?;
+                self.kvs[l].append(&qkv, s, &p)?;
+            }
+        }
+        self.generation += 1;
+        Ok(())
+    }
+
     /// Forget everything (the next forward must start at position 0).
     pub fn clear(&mut self) {
         self.kvs.iter_mut().for_each(KvCache::clear);

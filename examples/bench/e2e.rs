@@ -77,6 +77,10 @@ fn plan(section: Section, quick: bool) -> Plan {
                 ctx: batch_ctx,
                 batch,
             }));
+            metrics.push(Metric::Decode {
+                ctx: 32768,
+                batch: 16,
+            });
             (llama2_7b(16384 + 512), 512)
         }
         (Section::E2e, true) => {
@@ -432,7 +436,7 @@ fn prefill(ctx: &Ctx, p: &Plan, e: &mut Engine, n: usize, row: Row) -> Result<Ro
 const REFERENCE_READ_BYTES_PER_S: f64 = 4.3e12;
 
 /// Adds the weight-read floor of a decode row: the streaming-read ceiling for the bytes a
-/// step must read (every linear weight, and K and V of every cached token, f16 here),
+/// step must read (every linear weight, and K and V of every cached token in the engine's KV format),
 /// measured in this run, `floor_ms`, and how close the row comes to it, `of_floor` (floor /
 /// measured); and the same bytes at the reference rate, `floor_ref_ms` and `of_floor_ref`.
 /// The measured ceiling is the stricter one (our 2 GiB single-launch read runs faster than
@@ -444,8 +448,12 @@ fn with_floor(ctx: &mut Ctx, p: &Plan, e: &Engine, row: Row) -> Result<Row> {
     };
     let cfg = &p.cfg;
     let hd = cfg.hidden_size / cfg.num_attention_heads;
-    let kv =
-        2 * cfg.num_hidden_layers * (b as usize) * (c as usize) * cfg.num_key_value_heads * hd * 2;
+    let kv = 2
+        * cfg.num_hidden_layers
+        * (b as usize)
+        * (c as usize)
+        * cfg.num_key_value_heads
+        * e.kv_row_bytes(hd);
     let bytes = e.linear_bytes(cfg)? + kv;
     let dev = ctx.dev.clone();
     let floor = ctx.ceiling.seconds(&dev, ctx.iters, 2e-3, bytes)?;
@@ -471,23 +479,41 @@ fn decode(ctx: &Ctx, p: &Plan, e: &mut Engine, c: usize, b: usize, row: Row) -> 
             ),
         ));
     }
-    let mem = MemSampler::start(&ctx.dev);
-    e.reset(max_len)?;
-    let prompt = token_ids(b, c, p.cfg.vocab_size, (c * 131 + b) as u64, &ctx.dev)?;
-    let mut logits = None;
-    let chunk = e.prefill_chunk(b, p.chunk);
-    for s in (0..c).step_by(chunk) {
-        let len = chunk.min(c - s);
-        logits = Some(e.forward(&prompt.narrow(1, s, len)?.contiguous()?, s)?);
-        ctx.dev.synchronize()?;
+    // Prompts of more than DIRECT_FILL tokens in all are not prefilled: the caches are
+    // written from random K and V directly (ours only; `prompt` column).
+    const DIRECT_FILL: usize = 65_536;
+    let direct = b * c > DIRECT_FILL;
+    if direct && !e.fills_directly() {
+        return Ok(row.status(
+            Status::Skip,
+            format!("a {b} x {c}-token prompt is only written directly into our caches"),
+        ));
     }
-    let Some(logits) = logits else {
-        anyhow::bail!("empty prompt")
+    let mem = MemSampler::start(&ctx.dev);
+    let mut ids = if direct {
+        e.fill_random(max_len, b, c)?;
+        ctx.dev.synchronize()?;
+        token_ids(b, 1, p.cfg.vocab_size, (c * 131 + b) as u64, &ctx.dev)?
+            .flatten_all()?
+            .to_vec1::<u32>()?
+    } else {
+        e.reset(max_len)?;
+        let prompt = token_ids(b, c, p.cfg.vocab_size, (c * 131 + b) as u64, &ctx.dev)?;
+        let mut logits = None;
+        let chunk = e.prefill_chunk(b, p.chunk);
+        for s in (0..c).step_by(chunk) {
+            let len = chunk.min(c - s);
+            logits = Some(e.forward(&prompt.narrow(1, s, len)?.contiguous()?, s)?);
+            ctx.dev.synchronize()?;
+        }
+        let Some(logits) = logits else {
+            anyhow::bail!("empty prompt")
+        };
+        next_ids(&logits)?
     };
     // Peak memory is that of the prefill: the sampler stops before any decode step (graph
     // capture happens in the first one, and the timed steps run without its driver calls).
     let peak = mem.stop();
-    let mut ids = next_ids(&logits)?;
     let mut v = vec![];
     for i in 0..warm + steps {
         let t0 = Instant::now();
@@ -513,5 +539,6 @@ fn decode(ctx: &Ctx, p: &Plan, e: &mut Engine, c: usize, b: usize, row: Row) -> 
         .num("async_ms", pipelined * 1e3)
         .num("tok/s", b as f64 / t)
         .opt("peak_GiB", peak.map(gib))
+        .text("prompt", if direct { "random K, V" } else { "prefill" })
         .text("mode", e.mode()))
 }

@@ -342,6 +342,36 @@ impl Engine {
         Ok(())
     }
 
+    /// Bytes of one (token, KV head) row of K or V in this engine's cache.
+    pub fn kv_row_bytes(&self, hd: usize) -> usize {
+        match self {
+            Self::Ours { kv, dtype, .. } => kv.row_bytes(hd, *dtype),
+            Self::Stock { dtype, .. } => hd * dtype.size_in_bytes(),
+            // candle's quantized_llama caches K and V in f32.
+            Self::QLlama { .. } => hd * 4,
+        }
+    }
+
+    /// Whether [`Engine::fill_random`] applies.
+    pub fn fills_directly(&self) -> bool {
+        matches!(self, Self::Ours { .. })
+    }
+
+    /// `reset(max_len)`, then rows `0..c` of every layer's cache for batch `b` written
+    /// from random K and V (`Cache::fill_random`) instead of prefilling a prompt: ours
+    /// only, for decode rows whose prefill would take minutes.
+    pub fn fill_random(&mut self, max_len: usize, b: usize, c: usize) -> Result<()> {
+        self.reset(max_len)?;
+        match self {
+            Self::Ours {
+                cache: Some(cache),
+                dtype,
+                ..
+            } => Ok(cache.fill_random(b, c, *dtype)?),
+            _ => anyhow::bail!("only our engine fills its caches directly"),
+        }
+    }
+
     /// Logits `[b, vocab]` (f32) of the last position of `ids` `[b, seq]` at `pos`.
     pub fn forward(&mut self, ids: &Tensor, pos: usize) -> Result<Tensor> {
         Ok(match self {

@@ -479,6 +479,11 @@ impl KvCache {
         self.max_len
     }
 
+    /// The attention geometry the cache holds (query heads over KV heads of `hd`).
+    pub fn heads(&self) -> Heads {
+        self.heads
+    }
+
     /// The batch size the cache is allocated for (0 before first use).
     pub fn batch(&self) -> usize {
         self.store.as_ref().map(|kv| kv.dims()[1]).unwrap_or(0)
