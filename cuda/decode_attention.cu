@@ -38,10 +38,11 @@
 //   counters [b, nkv] u32             zero between launches (the merging block resets it)
 //   out      [b, nh, hd] T
 // The launch shape is fixed by the capacity, not by pos: n_split = ceil(max_len / chunk)
-// blocks per KV head (rounded up to a multiple of `cluster` in the grid), `chunk` (a host choice) bounding the keys per block. Each launch
-// spreads the len = pos + 1 keys over those blocks: c = clamp(ceil(len / n_split), B,
-// chunk) keys per block, B = the rows one round of loads covers (E::UNROLL rows per lane
-// group: 32 for f16 at hd 128, 128 for kv4), so a short context keeps many blocks busy (129 keys: 5
+// blocks per KV head (rounded up to a multiple of `cluster` in the grid), `chunk` (a host
+// choice) bounding the keys per block. Each launch spreads the len = pos + 1 keys over
+// those blocks: c = clamp(ceil(len / n_split), B, chunk) keys per block, B = the rows one
+// round of loads covers (E::UNROLL rows per lane group: 32 for f16 at hd 128; for kv4 one
+// step of every warp, 64), so a short context keeps many blocks busy (129 keys: 5
 // blocks of 32 per KV head, each loading all its rows before pdl_wait) and blocks past
 // the last key exit at once.
 //
@@ -52,7 +53,7 @@
 // is set before the step: see advance_pos in decode.cu), so at short contexts the whole
 // chunk streams in while the QKV projection finishes.
 // Limits (checked on the host): hd divides 128 and hd >= EPL (quantized: hd in 32, 64,
-// 128); nh / nkv <= ATTN_MAX_G; chunk <= 256. Launched with programmatic dependent launch (pdl_wait, common.cuh).
+// 128); nh / nkv <= ATTN_MAX_G; chunk <= 256 for the generic kernel (any for kv4). Launched with programmatic dependent launch (pdl_wait, common.cuh).
 #include "kv_codec.cuh"
 
 using namespace lowbit;
