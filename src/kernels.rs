@@ -71,6 +71,17 @@ mod cuda {
         })
     }
 
+    /// The device's number of streaming multiprocessors (launch shapes that fill one wave).
+    pub fn sm_count(dev: &candle_core::CudaDevice) -> Result<usize> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+        let n = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(candle_core::Error::wrap)?;
+        Ok(n.max(1) as usize)
+    }
+
     /// Map a cudarc driver error into a candle error.
     pub fn launch_err(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
         candle_core::Error::wrap(e)

@@ -4,7 +4,7 @@
 use super::{Heads, StepPositions};
 use crate::kernels::{
     contiguous_view, dptr, dtype_suffix as suffix, launch_params, launch_pdl, ptx, raw_ptr,
-    with_positions, with_view, Arg,
+    sm_count, with_positions, with_view, Arg,
 };
 use crate::kv::oaken::KvThr;
 use crate::kv::KvCodec;
@@ -222,16 +222,6 @@ const TC_MAX_SPLITS: usize = 32;
 
 /// Resident blocks per SM of the tensor-core kv4 kernel (127 registers x 128 threads).
 const TC_BLOCKS_PER_SM: usize = 4;
-
-fn sm_count(dev: &candle_core::CudaDevice) -> Result<usize> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let n = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(candle_core::Error::wrap)?;
-    Ok(n.max(1) as usize)
-}
 
 /// `CANDLE_LOWBIT_TC_CHUNK`: overrides [`tc_long_chunk_for`] (for measuring; read once).
 fn tc_long_chunk() -> Option<usize> {

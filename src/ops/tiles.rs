@@ -232,7 +232,7 @@ mod cuda {
     use super::{Epi, Tiles};
     use crate::formats::w2416::TileScales;
     use crate::kernels::{
-        contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, with_view, Arg,
+        contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, sm_count, with_view, Arg,
     };
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
@@ -243,16 +243,6 @@ mod cuda {
     /// Warps per block of `tiles_mm` (TILES_NW) and threads per block of the kernels.
     const WARPS: usize = 4;
     const THREADS: u32 = 128;
-
-    fn sm_count(dev: &candle_core::CudaDevice) -> Result<usize> {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-        let n = dev
-            .cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(candle_core::Error::wrap)?;
-        Ok(n.max(1) as usize)
-    }
 
     /// Blocks per cluster (1 to 8): as many as fit one wave of resident blocks (`per_sm`, the
     /// kernel's occupancy: its registers and shared memory), with every warp at least two
