@@ -193,7 +193,7 @@ impl Cache {
                 self.max_len
             )
         }
-        self.clear();
+        self.clear(); // bumps `generation`: a captured graph points at the old storage
         let pads = vec![0; b];
         const BLOCK: usize = 1024;
         for l in 0..self.kvs.len() {
@@ -206,7 +206,6 @@ impl Cache {
                 self.kvs[l].append(&qkv, s, &p)?;
             }
         }
-        self.generation += 1;
         Ok(())
     }
 
