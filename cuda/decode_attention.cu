@@ -15,11 +15,10 @@
 // them from shared memory; no other block reads row pos.
 //
 // Two kernel families, both taking one AttnParams and ending in attn_finish (the merge of
-// the key chunks). The generic one, per (run dtype T, KV encoding E, APPEND) for dense
-// rows and oaken: a lane reads a chunk of E::EPL values of a row (16 bytes of T, or 4
-// bytes of codes plus the row's scales and its segment's sparse entries) and dequantizes
-// it in registers. The tensor-core one for kv4 (attn_decode_kv4_tc, further down): mma
-// over the raw codes with the per-key scales folded out. Encodings and byte layouts:
+// the key chunks). The generic one, per (run dtype T, APPEND), for dense rows: a lane
+// reads a chunk of 16 bytes of a row. The tensor-core one for the packed caches, kv4 and
+// oaken (attn_decode_tc, further down): mma over the raw codes with the per-key scales
+// folded out, Oaken's sparse entries as corrections. Encodings and byte layouts:
 // kv_codec.cuh.
 //
 // Layouts (row-major, contiguous; T in {f32, f16, bf16}):
@@ -41,8 +40,8 @@
 // blocks per KV head (rounded up to a multiple of `cluster` in the grid), `chunk` (a host
 // choice) bounding the keys per block. Each launch spreads the len = pos + 1 keys over
 // those blocks: c = clamp(ceil(len / n_split), B, chunk) keys per block, B = the rows one
-// round of loads covers (E::UNROLL rows per lane group: 32 for f16 at hd 128; for kv4 one
-// step of every warp, 64), so a short context keeps many blocks busy (129 keys: 5
+// round of loads covers (E::UNROLL rows per lane group: 32 for f16 at hd 128; for the
+// packed caches one step of every warp, 64), so a short context keeps many blocks busy (129 keys: 5
 // blocks of 32 per KV head, each loading all its rows before pdl_wait) and blocks past
 // the last key exit at once.
 //
@@ -52,8 +51,9 @@
 // older than pos is loaded before `pdl_wait` (nothing in the step writes them, and pos
 // is set before the step: see advance_pos in decode.cu), so at short contexts the whole
 // chunk streams in while the QKV projection finishes.
-// Limits (checked on the host): hd divides 128 and hd >= EPL (quantized: hd in 32, 64,
-// 128); nh / nkv <= ATTN_MAX_G; chunk <= 256 for the generic kernel (any for kv4). Launched with programmatic dependent launch (pdl_wait, common.cuh).
+// Limits (checked on the host): hd divides 128 and hd >= EPL (packed caches: hd 64 or
+// 128); nh / nkv <= ATTN_MAX_G; chunk <= 256 for the generic kernel (any for the
+// tensor-core one). Launched with programmatic dependent launch (pdl_wait, common.cuh).
 #include "kv_codec.cuh"
 
 using namespace lowbit;
@@ -233,8 +233,8 @@ __device__ void attn_decode(const AttnParams& p) {
     float* r_sh = p_sh + g * chunk;          // [rows_per_pass, g, hd]
 
     const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)p.max_len * p.rec;
-    const E kc{p.k + head_off, p.rec, hd, p.thr_k};
-    const E vc{p.v + head_off, p.rec, hd, p.thr_v};
+    const E kc{p.k + head_off, p.rec, hd};
+    const E vc{p.v + head_off, p.rec, hd};
     // The first UNROLL rows per lane group of K and V, older rows only.
     Chunk k_first[UNROLL], v_first[UNROLL];
 #pragma unroll
@@ -259,63 +259,35 @@ __device__ void attn_decode(const AttnParams& p) {
     // or from the cache, where an earlier kernel put them.
     if (has_new) {
         const int j = threadIdx.x;  // one rotation pair per thread (half <= 64)
-        if constexpr (!E::QUANT) {
-            T* k_out = reinterpret_cast<T*>(p.k + head_off) + (size_t)j_new * hd;
-            T* v_out = reinterpret_cast<T*>(p.v + head_off) + (size_t)j_new * hd;
-            if (j < half) {
-                if (APPEND) {
-                    const T* k_gl_rd1 = row_gl_rd + (size_t)(nh + kvh) * hd;
-                    const T* v_gl_rd1 = row_gl_rd + (size_t)(nh + nkv + kvh) * hd;
-                    const float k0 = to_f32(k_gl_rd1[j]), k1 = to_f32(k_gl_rd1[j + half]);
-                    knew_sh[j] = from_f32<T>(k0 * rc - k1 * rs);
-                    knew_sh[j + half] = from_f32<T>(k1 * rc + k0 * rs);
-                    vnew_sh[j] = v_gl_rd1[j];
-                    vnew_sh[j + half] = v_gl_rd1[j + half];
-                    k_out[j] = knew_sh[j];
-                    k_out[j + half] = knew_sh[j + half];
-                    v_out[j] = vnew_sh[j];
-                    v_out[j + half] = vnew_sh[j + half];
-                } else {
-                    knew_sh[j] = k_out[j];
-                    knew_sh[j + half] = k_out[j + half];
-                    vnew_sh[j] = v_out[j];
-                    vnew_sh[j + half] = v_out[j + half];
-                }
-            }
-        } else if (APPEND) {
-            // The new rows in f32 (rounded to T, as a dense cache would hold them) in r_sh
-            // (free until P·V), then warp 0 encodes K and warp 1 V into the cache.
-            float* xk = r_sh;
-            float* xv = r_sh + hd;
-            if (j < half) {
+        T* k_out = reinterpret_cast<T*>(p.k + head_off) + (size_t)j_new * hd;
+        T* v_out = reinterpret_cast<T*>(p.v + head_off) + (size_t)j_new * hd;
+        if (j < half) {
+            if (APPEND) {
                 const T* k_gl_rd1 = row_gl_rd + (size_t)(nh + kvh) * hd;
                 const T* v_gl_rd1 = row_gl_rd + (size_t)(nh + nkv + kvh) * hd;
-                float y0, y1;
-                rope_pair_rn(to_f32(k_gl_rd1[j]), to_f32(k_gl_rd1[j + half]), rc, rs, y0, y1);
-                xk[j] = to_f32(from_f32<T>(y0));
-                xk[j + half] = to_f32(from_f32<T>(y1));
-                xv[j] = to_f32(v_gl_rd1[j]);
-                xv[j + half] = to_f32(v_gl_rd1[j + half]);
+                const float k0 = to_f32(k_gl_rd1[j]), k1 = to_f32(k_gl_rd1[j + half]);
+                knew_sh[j] = from_f32<T>(k0 * rc - k1 * rs);
+                knew_sh[j + half] = from_f32<T>(k1 * rc + k0 * rs);
+                vnew_sh[j] = v_gl_rd1[j];
+                vnew_sh[j + half] = v_gl_rd1[j + half];
+                k_out[j] = knew_sh[j];
+                k_out[j + half] = knew_sh[j + half];
+                v_out[j] = vnew_sh[j];
+                v_out[j + half] = vnew_sh[j + half];
+            } else {
+                knew_sh[j] = k_out[j];
+                knew_sh[j + half] = k_out[j + half];
+                vnew_sh[j] = v_out[j];
+                vnew_sh[j + half] = v_out[j + half];
             }
-            __syncthreads();
-            const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-            if (warp == 0) E::quantize_warp(xk, p.k + head_off + (size_t)j_new * p.rec, hd, p.thr_k, lane);
-            if (warp == 1) E::quantize_warp(xv, p.v + head_off + (size_t)j_new * p.rec, hd, p.thr_v, lane);
         }
     }
     __syncthreads();
     const uint4* knew4 = reinterpret_cast<const uint4*>(knew_sh);
     const uint4* vnew4 = reinterpret_cast<const uint4*>(vnew_sh);
-    // Row j_new: dense from shared memory; quantized from the cache (written above by
-    // this block, or earlier), bypassing L1.
-    auto new_k = [&](Chunk& dst) {
-        if constexpr (E::QUANT) dst = kc.load_cg(j_new, sub);
-        else dst = knew4[sub];
-    };
-    auto new_v = [&](Chunk& dst) {
-        if constexpr (E::QUANT) dst = vc.load_cg(j_new, sub);
-        else dst = vnew4[sub];
-    };
+    // Row j_new from shared memory.
+    auto new_k = [&](Chunk& dst) { dst = knew4[sub]; };
+    auto new_v = [&](Chunk& dst) { dst = vnew4[sub]; };
 
     // Scores: LPK lanes per key, partial dots reduced with shuffles inside the lane group.
     for (int base = 0; base < n; base += rows_per_pass * UNROLL) {
@@ -420,7 +392,7 @@ __device__ void attn_decode(const AttnParams& p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// kv4 on tensor cores (hd 64 or 128). Per warp, steps of 16 keys: S = Q·Kᵀ with
+// kv4 (and Oaken, below) on tensor cores (hd 64 or 128). Per warp, steps of 16 keys: S = Q·Kᵀ with
 // mma.m16n8k16 (rows: the g query heads of the KV head, padded to 16; n: 8 keys; k: hd)
 // on the raw 4-bit codes, each key's scale and min folded in afterwards
 // (s = scale·(q·c) + min·Σq); online softmax per head; O += (P·diag(v_scale))·C_v with the
@@ -486,8 +458,8 @@ __device__ __forceinline__ uint32_t half2_bits(float a, float b) {
 // whole: the records of keys >= end in a stage are zero, stale or the next rows' bytes,
 // so the kernel masks every value it takes from them. A record is 4-byte aligned (rec
 // is), so every fragment word is one 32-bit shared load.
-template <int HD> struct TcStage {
-    static constexpr int REC = HD / 2 + 4, BYTES = TC_STEP * REC + 16, CHUNKS = BYTES / 16;
+template <int REC_> struct TcStage {
+    static constexpr int REC = REC_, BYTES = TC_STEP * REC + 16, CHUNKS = BYTES / 16;
     uint8_t k[BYTES], v[BYTES];
 };
 
@@ -496,18 +468,23 @@ __device__ __forceinline__ uint32_t lds32(uint32_t sa) {
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(sa));
     return v;
 }
+__device__ __forceinline__ uint32_t lds8(uint32_t sa) {
+    uint32_t v;
+    asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(sa));
+    return v;
+}
 
 // One warp's walk through its ring: what stays fixed over its steps. A warp's steps are
 // TC_WARPS * TC_STEP keys apart, STEP_BYTES (a multiple of 16) in global memory, so the
 // lead is the same for all of them.
-template <int HD> struct TcRing {
-    using S = TcStage<HD>;
+template <int REC> struct TcRing {
+    using S = TcStage<REC>;
     static constexpr int STEP_BYTES = TC_WARPS * TC_STEP * S::REC;
     const uint8_t* src[2];  // K, V: the 16-byte boundary at or before step 0's first record
     int lead[2];            // bytes from there to that record
     uint32_t stage0;        // shared address of this warp's stage 0, plus 16 * lane
     int lane16;
-    __device__ __forceinline__ void init(const uint8_t* kb, const uint8_t* vb, int k0_first, TcStage<HD>* ring, int lane) {
+    __device__ __forceinline__ void init(const uint8_t* kb, const uint8_t* vb, int k0_first, S* ring, int lane) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint8_t* a = (h ? vb : kb) + (size_t)k0_first * S::REC;
@@ -562,13 +539,80 @@ template <int HD> struct TcRing {
     }
 };
 
+// Oaken (E::SPARSE) on the same kernel. Its dense codes are in kv4's slot order and go
+// through the same mma with the row's mid_step and mid_min + inner_lo as scale and min.
+// The middle group's jump over the inner interval (codes >= zc decode gap = inner_hi -
+// inner_lo higher) is a second mma over the masks c >= zc (one hge2 per code pair), scaled
+// by the layer's gap: s = step·(q·c) + gap·(q·m) + base·Σq. The sparse entries are
+// corrections: two lanes per key walk the key's record (half of its entries each) and take,
+// per entry, delta = its value - the middle decode of its code (what the mma counted).
+// K: Σ_h q_h·delta into the key's scores (through shared memory to the lanes holding
+// them), before the softmax. V: each delta written (f16) to the warp's zeroed tile ΔV
+// [TC_STEP keys, HD] (a (key, element) has at most one entry), then O += ΔVᵀ·Pᵀ by one mma
+// per m-tile (ldmatrix.trans), in the running output's scale: no atomics, any g.
+// This lane's PER entries of an Oaken record in shared memory (`rec`: K for KV 0, V for
+// KV 1): hd 128, segment `sub`'s 8; hd 64, entries 4 sub .. 4 sub + 3. Out: element d[k],
+// delta[k] (0 past the segment's count, or for a masked key `ok` false: its record may be
+// stale bytes) and the valid ones as bits. kslot: shared address of the K slot table.
+template <int HD, int KV, int PER>
+__device__ __forceinline__ uint32_t oaken_entries(uint32_t rec, const KvThr& t, int sub, bool ok, uint32_t kslot,
+                                                  int (&d)[PER], float (&delta)[PER]) {
+    constexpr int NSEG = Oaken::nseg(HD), META = Oaken::meta(HD);
+    static_assert(PER == 4 * NSEG, "entries per lane");
+    const uint32_t m0 = lds32(rec + META), m1 = lds32(rec + META + 4);
+    const float step = h_lo(m0), base = h_hi(m0) + t.inner_lo, os = h_lo(m1), gap = t.inner_hi - t.inner_lo;
+    const float lo_i16 = fmaf(16.f, t.inner_step, t.inner_lo);  // inner codes with the extra bit
+    const uint32_t zc = m1 >> 24;
+    const int seg = NSEG == 2 ? sub : 0;
+    int cnt = min((int)((m1 >> (16 + 4 * seg)) & 15u), KV_SEG_CAP) - (NSEG == 2 ? 0 : 4 * sub);
+    if (!ok) cnt = 0;
+    const uint32_t eoff = HD / 2 + (NSEG == 2 ? 8 * sub : 4 * sub);
+    uint32_t ew[PER / 4];
+#pragma unroll
+    for (int w = 0; w < PER / 4; ++w) ew[w] = lds32(rec + eoff + 4 * w);
+    uint32_t valid = 0;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const uint32_t e = (ew[k >> 2] >> (8 * (k & 3))) & 0xffu;
+        const int dd = (int)(e & 63u) | (seg * KV_SEG);
+        const uint32_t slot = KV == 0 ? lds8(kslot + dd) : (uint32_t)((dd & 7) * (HD / 8) + (dd >> 3));
+        const uint32_t c = (lds8(rec + (slot >> 1)) >> ((slot & 1u) << 2)) & 15u;
+        const float fc = (float)c;
+        const float xm = fmaf(fc, step, base) + (c >= zc ? gap : 0.f);  // what the mma counted
+        const bool ex = e & 128u;
+        const float xi = fmaf(fc, t.inner_step, ex ? lo_i16 : t.inner_lo);
+        const float xo = fmaf(fc, ex ? -os : os, ex ? t.outer_lo : t.outer_hi);
+        d[k] = dd;
+        delta[k] = k < cnt ? ((e & 64u) ? xi : xo) - xm : 0.f;
+        valid |= (k < cnt ? 1u : 0u) << k;
+    }
+    return valid;
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t sa, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(sa));
+}
+
+__device__ __forceinline__ uint32_t hge_mask(uint32_t c, __half2 z) {
+    const __half2 r = __hge2(*reinterpret_cast<const __half2*>(&c), z);
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+
 // grid (n_split, nkv, b), block TC_WARPS * 32, dynamic smem g*HD floats (q_sh) and then
 // max(TC_WARPS*g*HD floats, TC_WARPS * TC_STAGES stages): the warps' rings, which the
 // warps' outputs (and, before the first copy of the block holding the new row, its
-// rows to encode) reuse.
-template <typename T, int HD, bool APPEND>
-__device__ void attn_decode_kv4_tc(const AttnParams& p) {
-    constexpr int KS = HD / 16, MT = HD / 16, KW = HD / 32, VW = HD / 64, REC = TcStage<HD>::REC;
+// rows to encode) reuse. Oaken adds, after them: the warps' score corrections
+// [TC_WARPS, TC_STEP, ATTN_MAX_G] f32, their ΔV tiles [TC_WARPS, TC_STEP, TC_DV(HD)] f16 (rows
+// padded by 16 bytes: conflict-free ldmatrix) and the K slot of each element [HD] u8.
+#define TC_DV(HD) ((HD) + 8)
+template <typename T, int HD, bool APPEND, typename E>
+__device__ void attn_decode_tc(const AttnParams& p) {
+    constexpr bool SPARSE = E::SPARSE;
+    constexpr int KS = HD / 16, MT = HD / 16, KW = HD / 32, VW = HD / 64;
+    constexpr int REC = E::rec_bytes(HD), META = E::meta(HD);
+    constexpr int RING_FLOATS = TC_WARPS * TC_STAGES * (int)sizeof(TcStage<REC>) / 4;
     extern __shared__ float sh[];
     __shared__ float m_sh[ATTN_MAX_G], l_sh[ATTN_MAX_G];
     __shared__ float wm_sh[TC_WARPS][ATTN_MAX_G], wl_sh[TC_WARPS][ATTN_MAX_G];
@@ -594,6 +638,16 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, qr = lane >> 2, qc = lane & 3;
     float* q_sh = sh;               // [g, HD]; then the block's output
     float* wo_sh = q_sh + g * HD;   // [TC_WARPS, g, HD]: the warps' outputs (after the rings)
+    // Oaken's scratch after the rings (this warp's parts; the K slot table is the block's).
+    float* ox_sh = wo_sh + max(TC_WARPS * g * HD, RING_FLOATS);
+    float* xs_sh = ox_sh + warp * TC_STEP * ATTN_MAX_G;
+    __half* dv_sh = reinterpret_cast<__half*>(ox_sh + TC_WARPS * TC_STEP * ATTN_MAX_G) + warp * TC_STEP * TC_DV(HD);
+    uint8_t* kslot_sh = reinterpret_cast<uint8_t*>(ox_sh + TC_WARPS * TC_STEP * ATTN_MAX_G) + TC_WARPS * TC_STEP * TC_DV(HD) * 2;
+    const uint32_t kslot_sa = (uint32_t)__cvta_generic_to_shared(kslot_sh);
+    constexpr int DV_CHUNKS = TC_STEP * TC_DV(HD) * 2 / 16;  // 16-byte chunks of a ΔV tile
+    auto zero_dv = [&]() {
+        for (int c16 = lane; c16 < DV_CHUNKS; c16 += 32) reinterpret_cast<uint4*>(dv_sh)[c16] = make_uint4(0u, 0u, 0u, 0u);
+    };
     const size_t head_off = ((size_t)s * nkv + kvh) * (size_t)p.max_len * REC;
     const uint8_t* kb = p.k + head_off;
     const uint8_t* vb = p.v + head_off;
@@ -606,8 +660,8 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     const int n_steps = k0_first < end ? (end - k0_first + TC_WARPS * TC_STEP - 1) / (TC_WARPS * TC_STEP) : 0;
     auto k0_of = [&](int i) { return k0_first + i * TC_WARPS * TC_STEP; };
     auto keys_of = [&](int i) { return min(TC_STEP, end - k0_of(i)); };
-    TcRing<HD> ring;
-    ring.init(kb, vb, k0_first, reinterpret_cast<TcStage<HD>*>(wo_sh) + warp * TC_STAGES, lane);
+    TcRing<REC> ring;
+    ring.init(kb, vb, k0_first, reinterpret_cast<TcStage<REC>*>(wo_sh) + warp * TC_STAGES, lane);
     // The step, if any, whose whole last chunk could reach past the cache's end.
     const int exact_step = n_steps > 0 && vb + (size_t)end * REC + 16 > p.kv_end ? n_steps - 1 : -1;
     auto issue = [&](int i) {
@@ -649,8 +703,12 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
             xv[j + half] = to_f32(v_gl_rd1[j + half]);
         }
         __syncthreads();
-        if (warp == 0) Kv4::quantize_warp(xk, p.k + head_off + (size_t)j_new * REC, HD, 0, codes_sh[0], lane);
-        if (warp == 1) Kv4::quantize_warp(xv, p.v + head_off + (size_t)j_new * REC, HD, 1, codes_sh[1], lane);
+        if (warp == 0) E::encode(xk, p.k + head_off + (size_t)j_new * REC, HD, 0, p.thr_k, codes_sh[0], lane);
+        if (warp == 1) E::encode(xv, p.v + head_off + (size_t)j_new * REC, HD, 1, p.thr_v, codes_sh[1], lane);
+    }
+    if constexpr (SPARSE) {
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) kslot_sh[d] = (uint8_t)kv4_slot(0, HD, d);
+        zero_dv();
     }
     __syncthreads();  // q_sh written; the new row's record written and xk, xv read
     if (has_new) prologue();
@@ -679,7 +737,7 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
     float m_run = -INFINITY, l_run = 0.f, pm_run = 0.f;
     // This lane's fragment words, as byte offsets from a stage's first record.
-    const uint32_t off_k = qr * REC + qc * (HD / 8), off_m = 2 * qc * REC + HD / 2, off_v = 2 * qc * REC + qr * (HD / 16);
+    const uint32_t off_k = qr * REC + qc * (HD / 8), off_m = 2 * qc * REC + META, off_v = 2 * qc * REC + qr * (HD / 16);
     for (int i = 0; i < n_steps; ++i) {
         if (i + TC_STAGES - 1 < n_steps) issue(i + TC_STAGES - 1);
         cp_async_commit();
@@ -704,17 +762,55 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
             for (int w = 0; w < VW; ++w) vw[u][w] = lds32(vs_ + off_v + r * REC + 4 * w);
             vm[u] = lds32(vs_ + off_m + r * REC);
         }
-        __syncwarp();  // stage i is read: the next step's copies may reuse it
+        // Oaken: zc of the K fragments' keys (k0 + 8t + qr) and of the V words' keys, as f16.
+        __half2 kz[2], vz[2];
+        if constexpr (SPARSE) {
+            __half zv[4];
+#pragma unroll
+            for (int t = 0; t < 2; ++t) kz[t] = __half2half2(__uint2half_rn(lds32(ks_ + (8 * t + qr) * REC + META + 4) >> 24));
+#pragma unroll
+            for (int u = 0; u < 4; ++u) zv[u] = __uint2half_rn(lds32(vs_ + off_m + ((u & 1) + 8 * (u >> 1)) * REC + 4) >> 24);
+            vz[0] = __halves2half2(zv[0], zv[1]);
+            vz[1] = __halves2half2(zv[2], zv[3]);
+        } else {
+            __syncwarp();  // stage i is read: the next step's copies may reuse it
+        }
+        const int jk = lane >> 1, sub = lane & 1;  // Oaken: this lane's key and half of its entries
+        const bool okk = k0 + jk < end && (k0 + jk >= pad || k0 + jk == j_new);
         // Scores of keys k0 + 8t + 2qc + i for head qr.
-        float sc[2][4];
+        float sc[2][4], sm[2][4];  // sm: Oaken's masks c >= zc
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
             sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.f;
+            sm[t][0] = sm[t][1] = sm[t][2] = sm[t][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {
                 const uint32_t w = (ks & 1) ? kw[t][ks / 2] >> 8 : kw[t][ks / 2];
-                mma_f16_16816(sc[t], qa[ks][0], 0u, qa[ks][1], 0u, nib_lo(w), nib_hi(w));
+                const uint32_t b0 = nib_lo(w), b1 = nib_hi(w);
+                mma_f16_16816(sc[t], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
+                if constexpr (SPARSE) mma_f16_16816(sm[t], qa[ks][0], 0u, qa[ks][1], 0u, hge_mask(b0, kz[t]), hge_mask(b1, kz[t]));
             }
+        }
+        // Oaken's entries: K's summed per head into xs_sh[jk]; V's deltas into ΔV row jk.
+        if constexpr (SPARSE) {
+            constexpr int PER = 4 * Oaken::nseg(HD);
+            int dk[PER], dvi[PER];
+            float xk[PER], xv[PER];
+            oaken_entries<HD, 0, PER>(ks_ + jk * REC, p.thr_k, sub, okk, kslot_sa, dk, xk);
+            const uint32_t vval = oaken_entries<HD, 1, PER>(vs_ + jk * REC, p.thr_v, sub, okk, kslot_sa, dvi, xv);
+#pragma unroll
+            for (int k = 0; k < PER; ++k)
+                if ((vval >> k) & 1u) dv_sh[jk * TC_DV(HD) + dvi[k]] = __float2half_rn(xv[k]);
+#pragma unroll 1
+            for (int h = 0; h < g; ++h) {
+                const float* qh = q_sh + h * HD;
+                float cq = 0.f;
+#pragma unroll
+                for (int k = 0; k < PER; ++k) cq = fmaf(qh[dk[k]], xk[k], cq);
+                cq += __shfl_xor_sync(0xffffffffu, cq, 1);
+                if (sub == 0) xs_sh[jk * ATTN_MAX_G + h] = cq;
+            }
+            __syncwarp();  // stage i is read; xs_sh and ΔV are written
         }
         // Keys k0 + 8t + 2qc + e, u = 2t + e: the same keys as the V words vw[u], vm[u].
         float sv[4], mloc = -INFINITY;
@@ -722,7 +818,13 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
         for (int u = 0; u < 4; ++u) {
             const int t = u >> 1, e = u & 1, key = k0 + 8 * t + 2 * qc + e;
             const bool ok = key < end && (key >= pad || key == j_new);
-            sv[u] = ok ? fmaf(h_lo(km[t][e]), sc[t][e], h_hi(km[t][e]) * qsum) : -INFINITY;
+            if constexpr (SPARSE) {
+                const float xs = qr < g ? xs_sh[(8 * t + 2 * qc + e) * ATTN_MAX_G + qr] : 0.f;
+                const float base = h_hi(km[t][e]) + p.thr_k.inner_lo, gap = p.thr_k.inner_hi - p.thr_k.inner_lo;
+                sv[u] = ok ? fmaf(h_lo(km[t][e]), sc[t][e], fmaf(gap, sm[t][e], fmaf(base, qsum, xs))) : -INFINITY;
+            } else {
+                sv[u] = ok ? fmaf(h_lo(km[t][e]), sc[t][e], h_hi(km[t][e]) * qsum) : -INFINITY;
+            }
             vm[u] = ok ? vm[u] : 0u;  // a stale record's scales could be inf or NaN
             mloc = fmaxf(mloc, sv[u]);
         }
@@ -736,7 +838,7 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
         for (int u = 0; u < 4; ++u) {
             pv[u] = ex2(sv[u] - m_use);
             psum += pv[u];
-            pmin += pv[u] * h_hi(vm[u]);
+            pmin += pv[u] * (SPARSE ? h_hi(vm[u]) + p.thr_v.inner_lo : h_hi(vm[u]));
         }
         l_run = l_run * alpha + psum;
         pm_run = pm_run * alpha + pmin;
@@ -744,13 +846,16 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
         // Oᵀ += C_vᵀ · (P·diag(v_scale))ᵀ: A the V codes (rows: columns d of V, cols: the
         // step's keys), B this thread's probabilities as they are (head qr, keys 2qc + i).
         // (Skipped, warp-uniformly, where no head's maximum grew: alpha is then 1.)
-        if (__any_sync(0xffffffffu, alpha != 1.f)) {
+        const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);
+        if (rescale) {
             const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * qc), al1 = __shfl_sync(0xffffffffu, alpha, 8 * qc + 4);
 #pragma unroll
             for (int m = 0; m < MT; ++m) { acc[m][0] *= al0; acc[m][1] *= al1; acc[m][2] *= al0; acc[m][3] *= al1; }
         }
         const uint32_t pb0 = half2_bits(pv[0] * h_lo(vm[0]), pv[1] * h_lo(vm[1]));
         const uint32_t pb1 = half2_bits(pv[2] * h_lo(vm[2]), pv[3] * h_lo(vm[3]));
+        const float gap_v = p.thr_v.inner_hi - p.thr_v.inner_lo;
+        const uint32_t pg0 = half2_bits(pv[0] * gap_v, pv[1] * gap_v), pg1 = half2_bits(pv[2] * gap_v, pv[3] * gap_v);
 #pragma unroll
         for (int w = 0; w < VW; ++w) {
             const uint32_t za[2] = {prmt(vw[0][w], vw[1][w], 0x5410), prmt(vw[0][w], vw[1][w], 0x7632)};
@@ -758,8 +863,27 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
 #pragma unroll
             for (int mm = 0; mm < 4; ++mm) {  // m-tile 4w + mm: V columns j = 2mm, 2mm + 1 of word w
                 const uint32_t a = za[mm >> 1] >> (8 * (mm & 1)), b = zb[mm >> 1] >> (8 * (mm & 1));
-                mma_f16_16816(acc[4 * w + mm], nib_lo(a), nib_hi(a), nib_lo(b), nib_hi(b), pb0, pb1);
+                const uint32_t a0 = nib_lo(a), a1 = nib_hi(a), a2 = nib_lo(b), a3 = nib_hi(b);
+                mma_f16_16816(acc[4 * w + mm], a0, a1, a2, a3, pb0, pb1);
+                if constexpr (SPARSE)
+                    mma_f16_16816(acc[4 * w + mm], hge_mask(a0, vz[0]), hge_mask(a1, vz[0]), hge_mask(a2, vz[1]),
+                                  hge_mask(a3, vz[1]), pg0, pg1);
             }
+        }
+        if constexpr (SPARSE) {
+            // O += ΔVᵀ·Pᵀ: matrix q of lane l's ldmatrix is keys 8 (q >> 1) .., elements 16 m + 8 (q & 1) ..
+            const uint32_t pp0 = half2_bits(pv[0], pv[1]), pp1 = half2_bits(pv[2], pv[3]);
+            const int q4 = lane >> 3;
+            const uint32_t dv_row = (uint32_t)__cvta_generic_to_shared(dv_sh) +
+                                    2u * (uint32_t)(((lane & 7) + 8 * (q4 >> 1)) * TC_DV(HD) + 8 * (q4 & 1));
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                uint32_t r0, r1, r2, r3;
+                ldsm_x4_trans(dv_row + 32u * m, r0, r1, r2, r3);
+                mma_f16_16816(acc[m], r0, r1, r2, r3, pp0, pp1);
+            }
+            __syncwarp();  // every lane has read xs_sh and ΔV
+            zero_dv();
         }
     }
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
@@ -804,16 +928,20 @@ __device__ void attn_decode_kv4_tc(const AttnParams& p) {
     attn_finish<T>(p, o_sh, m_sh, l_sh, &last_sh, n_active, in_cluster);
 }
 
-// attn_decode_<dtype>_kv4_h<HD>[_append]
-#define ATTN_TC_KERNEL(SUF, T, HD)                                                        \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
-        attn_decode_##SUF##_kv4_h##HD(const __grid_constant__ AttnParams p) {             \
-        attn_decode_kv4_tc<T, HD, false>(p);                                              \
+// attn_decode_<dtype>_<kv4|oaken>_h<HD>[_append]
+// (E::TC_BLOCKS resident blocks per SM bound the registers.)
+#define ATTN_TC_KERNEL1(SUF, T, HD, ENC, E)                                               \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, E::TC_BLOCKS)            \
+        attn_decode_##SUF##_##ENC##_h##HD(const __grid_constant__ AttnParams p) {         \
+        attn_decode_tc<T, HD, false, E>(p);                                               \
     }                                                                                     \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                          \
-        attn_decode_##SUF##_kv4_h##HD##_append(const __grid_constant__ AttnParams p) {    \
-        attn_decode_kv4_tc<T, HD, true>(p);                                               \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, E::TC_BLOCKS)            \
+        attn_decode_##SUF##_##ENC##_h##HD##_append(const __grid_constant__ AttnParams p) { \
+        attn_decode_tc<T, HD, true, E>(p);                                                \
     }
+#define ATTN_TC_KERNEL(SUF, T, HD)        \
+    ATTN_TC_KERNEL1(SUF, T, HD, kv4, Kv4) \
+    ATTN_TC_KERNEL1(SUF, T, HD, oaken, Oaken)
 ATTN_TC_KERNEL(f32, float, 64)
 ATTN_TC_KERNEL(f32, float, 128)
 ATTN_TC_KERNEL(f16, __half, 64)
@@ -829,9 +957,7 @@ ATTN_TC_KERNEL(bf16, __nv_bfloat16, 128)
     }
 #define ATTN_KERNELS(SUF, T)                                                             \
     ATTN_KERNEL(attn_decode_##SUF##_dense, T, DenseKv<T>, false)                         \
-    ATTN_KERNEL(attn_decode_##SUF##_dense_append, T, DenseKv<T>, true)                   \
-    ATTN_KERNEL(attn_decode_##SUF##_oaken, T, Oaken, false)                              \
-    ATTN_KERNEL(attn_decode_##SUF##_oaken_append, T, Oaken, true)
+    ATTN_KERNEL(attn_decode_##SUF##_dense_append, T, DenseKv<T>, true)
 
 ATTN_KERNELS(f32, float)
 ATTN_KERNELS(f16, __half)

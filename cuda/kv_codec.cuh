@@ -18,12 +18,13 @@
 //   outer  x >= hi_o or x <= lo_o      shifted: m = x - hi_o (x >= hi_o) or lo_o - x, >= 0
 //   inner  lo_i < x < hi_i             not shifted
 //   middle otherwise                    shifted: s = x - hi_i (x >= hi_i) or x - lo_i (<= 0)
-// The values are cut into segments of min(64, hd); each segment holds up to
-// KV_SEG_CAP = 8 sparse entries, outer values first, then inner, each in index order.
+// The values are cut into segments of min(64, hd) (by element index); each segment holds
+// up to KV_SEG_CAP = 8 sparse entries, outer values first, then inner, each in index order.
 // rec = hd/2 + 8 * nseg + 8 bytes (nseg = ceil(hd / 64)):
-//   bytes [0, hd/2)              dense codes, nibbles as kv4: every slot holds a 4-bit code
+//   bytes [0, hd/2)              dense codes, every value a 4-bit code, in kv4's slot order
+//                                (kv4_element / kv4_slot: the tensor-core attention's)
 //   bytes [hd/2, +8 nseg)        sparse entries, 8 per segment, one byte each:
-//                                bits 0-5 position in the segment, bit 6 group (0 outer,
+//                                bits 0-5 element index in the segment, bit 6 group (0 outer,
 //                                1 inner), bit 7 extra bit; entries past the count are 0
 //   bytes [hd/2 + 8 nseg, +8)    f16 mid_step, f16 mid_min, f16 outer_scale,
 //                                u8 counts (segment 0 in bits 0-3, segment 1 in 4-7),
@@ -63,33 +64,15 @@ __device__ __forceinline__ float h_lo(uint32_t w) { return __half2float(__ushort
 __device__ __forceinline__ float h_hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
 __device__ __forceinline__ uint32_t h_bits(float v) { return (uint32_t)__half_as_ushort(__float2half_rn(v)); }
 
-// Store 4-bit codes c[0..E) of values lane*E .. lane*E+E of a row (E = hd / 32 in 1, 2, 4).
-__device__ __forceinline__ void store_nibbles(uint8_t* codes, int lane, int E, const int* c) {
-    if (E == 4) {
-        const uint32_t w = (uint32_t)(c[0] | c[1] << 4 | c[2] << 8 | c[3] << 12);
-        *reinterpret_cast<uint16_t*>(codes + lane * 2) = (uint16_t)w;
-    } else if (E == 2) {
-        codes[lane] = (uint8_t)(c[0] | c[1] << 4);
-    } else {
-        const int up = __shfl_down_sync(0xffffffffu, c[0], 1);
-        if ((lane & 1) == 0) codes[lane / 2] = (uint8_t)(c[0] | up << 4);
-    }
-}
-
 // A dense row: hd values of T.
 template <typename T> struct DenseKv {
     static constexpr int EPL = 16 / sizeof(T);  // values per lane chunk
     static constexpr int UNROLL = 4;             // chunks per lane in flight (attention)
-    static constexpr bool QUANT = false;
     using Chunk = uint4;
     const uint8_t* base;  // this (sequence, KV head)'s row 0
     int rec, hd;
-    KvThr thr;
     __device__ __forceinline__ Chunk load(int j, int sub) const {
         return reinterpret_cast<const uint4*>(base + (size_t)j * rec)[sub];
-    }
-    __device__ __forceinline__ Chunk load_cg(int j, int sub) const {
-        return __ldcg(reinterpret_cast<const uint4*>(base + (size_t)j * rec) + sub);
     }
     __device__ __forceinline__ void unpack(const Chunk& c, int, float* out) const { unpack16<T>(c, out); }
 };
@@ -114,10 +97,27 @@ __device__ __forceinline__ int kv4_element(int kv, int hd, int s) {
     const int group = hd / 8;
     return 8 * (s % group) + s / group;
 }
+// The slot of element d (the inverse of kv4_element).
+__host__ __device__ __forceinline__ int kv4_slot(int kv, int hd, int d) {
+    if (kv == 0) {
+        const int slice = d >> 4, r = d & 15;
+        const int n = (r >> 3) | (slice & 1) << 1 | (r & 1) << 2;
+        return ((r & 7) >> 1) * (hd / 4) + 8 * (slice >> 1) + n;
+    }
+    return (d & 7) * (hd / 8) + (d >> 3);
+}
+// Pack codes[0, hd) (element order, shared memory) into a record's slots: one warp.
+__device__ __forceinline__ void pack_slots(const uint8_t* codes, uint8_t* rec_out, int hd, int kv, int lane) {
+    for (int b = lane; b < hd / 2; b += 32)
+        rec_out[b] = (uint8_t)(codes[kv4_element(kv, hd, 2 * b)] | codes[kv4_element(kv, hd, 2 * b + 1)] << 4);
+}
 
 struct Kv4 {
-    static constexpr bool QUANT = true;
-    __host__ __device__ static int rec_bytes(int hd) { return hd / 2 + 4; }
+    static constexpr bool SPARSE = false;
+    // Resident blocks per SM of the tensor-core decode attention (its launch bounds).
+    static constexpr int TC_BLOCKS = 4;
+    __host__ __device__ static constexpr int rec_bytes(int hd) { return hd / 2 + 4; }
+    __host__ __device__ static constexpr int meta(int hd) { return hd / 2; }  // f16 scale, f16 min
     // One warp writes row x (hd floats, shared memory) of K (kv 0) or V (kv 1) to record
     // `rec_out`; `codes` is hd bytes of shared memory for the codes in element order.
     __device__ static void quantize_warp(const float* x, uint8_t* rec_out, int hd, int kv, uint8_t* codes, int lane) {
@@ -136,8 +136,7 @@ struct Kv4 {
         for (int i = 0; i < 4; ++i)
             if (i < E) codes[lane * E + i] = (uint8_t)fminf(fmaxf(rintf(__fmul_rn(__fsub_rn(v[i], m0), inv)), 0.f), 15.f);
         __syncwarp();
-        for (int b = lane; b < hd / 2; b += 32)
-            rec_out[b] = (uint8_t)(codes[kv4_element(kv, hd, 2 * b)] | codes[kv4_element(kv, hd, 2 * b + 1)] << 4);
+        pack_slots(codes, rec_out, hd, kv, lane);
         if (lane == 0) *reinterpret_cast<uint32_t*>(rec_out + hd / 2) = sb | mb << 16;
         __syncwarp();
     }
@@ -145,7 +144,7 @@ struct Kv4 {
         quantize_warp(x, rec_out, hd, kv, scratch, lane);
     }
     // Record `rec` of K (kv 0) or V (kv 1) into out[0, hd): thread `t` of `nt` over bytes.
-    __device__ static void decode(const uint8_t* rec, int hd, int kv, float* out, int t, int nt) {
+    __device__ static void decode(const uint8_t* rec, int hd, int kv, const KvThr&, float* out, int t, int nt) {
         const uint32_t m = *reinterpret_cast<const uint32_t*>(rec + hd / 2);
         const float scale = h_lo(m), mn = h_hi(m);
         for (int b = t; b < hd / 2; b += nt) {
@@ -157,64 +156,46 @@ struct Kv4 {
 };
 
 struct Oaken {
-    static constexpr int EPL = 8;
-    static constexpr int UNROLL = 4;
-    static constexpr bool QUANT = true;
-    struct Chunk { uint32_t codes; uint2 sparse, meta; };
-    const uint8_t* base;
-    int rec, hd;
-    KvThr thr;
-    __host__ __device__ static int nseg(int hd) { return (hd + KV_SEG - 1) / KV_SEG; }
-    __host__ __device__ static int seg_len(int hd) { return hd < KV_SEG ? hd : KV_SEG; }
-    __host__ __device__ static int rec_bytes(int hd) { return hd / 2 + 8 * nseg(hd) + 8; }
-    __device__ __forceinline__ Chunk load(int j, int sub) const {
-        const uint8_t* r = base + (size_t)j * rec;
-        const int seg = sub * 8 / seg_len(hd);
-        return {*reinterpret_cast<const uint32_t*>(r + sub * 4),
-                *reinterpret_cast<const uint2*>(r + hd / 2 + seg * 8),
-                *reinterpret_cast<const uint2*>(r + hd / 2 + nseg(hd) * 8)};
-    }
-    __device__ __forceinline__ Chunk load_cg(int j, int sub) const {
-        const uint8_t* r = base + (size_t)j * rec;
-        const int seg = sub * 8 / seg_len(hd);
-        return {__ldcg(reinterpret_cast<const unsigned int*>(r + sub * 4)),
-                __ldcg(reinterpret_cast<const uint2*>(r + hd / 2 + seg * 8)),
-                __ldcg(reinterpret_cast<const uint2*>(r + hd / 2 + nseg(hd) * 8))};
-    }
-    __device__ __forceinline__ void unpack(const Chunk& c, int sub, float* out) const {
-        const int sl = seg_len(hd), seg = sub * 8 / sl, p0 = (sub * 8) % sl;
-        const float mstep = h_lo(c.meta.x), mmin = h_hi(c.meta.x), oscale = h_lo(c.meta.y);
-        const int cnt = (int)((c.meta.y >> (16 + 4 * seg)) & 15u);
-        const uint32_t zc = c.meta.y >> 24;
-        const unsigned long long ent = (unsigned long long)c.sparse.x | (unsigned long long)c.sparse.y << 32;
-        uint32_t sp = 0, inner = 0, extra = 0;
-        // Every lane walks all entries of its segment (no divergence): 8 compares.
-#pragma unroll
-        for (int k = 0; k < KV_SEG_CAP; ++k) {
-            const uint32_t e = (uint32_t)(ent >> (8 * k)) & 0xffu;
-            const uint32_t rel = (e & 63u) - (uint32_t)p0;
-            const uint32_t hit = (k < cnt && rel < 8u) ? 1u : 0u;
-            sp |= hit << (rel & 7u);
-            inner |= (hit & (e >> 6)) << (rel & 7u);
-            extra |= (hit & (e >> 7)) << (rel & 7u);
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const uint32_t code = (c.codes >> (4 * e)) & 15u;
-            const float fc = (float)code;
-            const float s = fmaf(fc, mstep, mmin);
-            const float mid = __fadd_rn(s, code >= zc ? thr.inner_hi : thr.inner_lo);
-            const uint32_t x = (extra >> e) & 1u;
-            const float inn = __fadd_rn(__fmul_rn((float)(code | x << 4), thr.inner_step), thr.inner_lo);
-            const float m = fc * oscale;
-            const float outv = x ? __fsub_rn(thr.outer_lo, m) : __fadd_rn(thr.outer_hi, m);
-            out[e] = ((sp >> e) & 1u) ? (((inner >> e) & 1u) ? inn : outv) : mid;
+    static constexpr bool SPARSE = true;
+    // As Kv4's: 3 (166 registers). Measured (H200, hd 128): 4 blocks (128 registers, spills,
+    // and 3 ring stages to fit the shared memory) ran 5-20 % slower.
+    static constexpr int TC_BLOCKS = 3;
+    __host__ __device__ static constexpr int nseg(int hd) { return (hd + KV_SEG - 1) / KV_SEG; }
+    __host__ __device__ static constexpr int seg_len(int hd) { return hd < KV_SEG ? hd : KV_SEG; }
+    __host__ __device__ static constexpr int rec_bytes(int hd) { return hd / 2 + 8 * nseg(hd) + 8; }
+    // f16 mid_step, f16 mid_min (the word kv4 has its scale and min in), then f16
+    // outer_scale, u8 counts, u8 zc.
+    __host__ __device__ static constexpr int meta(int hd) { return hd / 2 + 8 * nseg(hd); }
+    // Record `rec` of K (kv 0) or V (kv 1) into out[0, hd): thread `t` of `nt` over values.
+    __device__ static void decode(const uint8_t* rec, int hd, int kv, const KvThr& thr, float* out, int t, int nt) {
+        const int sl = seg_len(hd);
+        const uint32_t m0 = *reinterpret_cast<const uint32_t*>(rec + meta(hd));
+        const uint32_t m1 = *reinterpret_cast<const uint32_t*>(rec + meta(hd) + 4);
+        const float mstep = h_lo(m0), mmin = h_hi(m0), oscale = h_lo(m1);
+        const uint32_t zc = m1 >> 24;
+        for (int d = t; d < hd; d += nt) {
+            const int slot = kv4_slot(kv, hd, d), seg = d / sl;
+            const uint32_t code = (rec[slot >> 1] >> (4 * (slot & 1))) & 15u;
+            // code * mstep is exact (4-bit code, f16 step): the fma equals the CPU's mul + add.
+            float x = __fadd_rn(fmaf((float)code, mstep, mmin), code >= zc ? thr.inner_hi : thr.inner_lo);
+            const int cnt = min((int)((m1 >> (16 + 4 * seg)) & 15u), KV_SEG_CAP);
+            for (int k = 0; k < cnt; ++k) {  // the last entry for d wins, as on the CPU
+                const uint32_t e = rec[hd / 2 + seg * KV_SEG_CAP + k];
+                if ((int)(e & 63u) != d - seg * sl) continue;
+                const uint32_t ex = e >> 7;
+                if ((e >> 6) & 1u) {
+                    x = __fadd_rn(__fmul_rn((float)(code | ex << 4), thr.inner_step), thr.inner_lo);
+                } else {
+                    const float m = (float)code * oscale;
+                    x = ex ? __fsub_rn(thr.outer_lo, m) : __fadd_rn(thr.outer_hi, m);
+                }
+            }
+            out[d] = x;
         }
     }
-    __device__ static void encode(const float* x, uint8_t* rec_out, int hd, int, const KvThr& t, uint8_t*, int lane) {
-        quantize_warp(x, rec_out, hd, t, lane);
-    }
-    __device__ static void quantize_warp(const float* x, uint8_t* rec_out, int hd, const KvThr& t, int lane) {
+    // One warp writes row x (hd floats, shared memory) of K (kv 0) or V (kv 1) to record
+    // `rec_out`; `codes` is hd bytes of shared memory for the codes in element order.
+    __device__ static void encode(const float* x, uint8_t* rec_out, int hd, int kv, const KvThr& t, uint8_t* codes, int lane) {
         const int E = hd / 32, sl = seg_len(hd), lps = sl / E, seg = lane / lps, ls = lane % lps;
         float v[4];
         int cls[4];  // 0 middle, 1 outer, 2 inner
@@ -317,13 +298,18 @@ struct Oaken {
         }
         const int cnt = min(KV_SEG_CAP, tot_o + tot_i);
         if (ls >= cnt && ls < KV_SEG_CAP) entries[ls] = 0;
-        store_nibbles(rec_out, lane, E, c);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (i < E) codes[lane * E + i] = (uint8_t)c[i];
+        __syncwarp();
+        pack_slots(codes, rec_out, hd, kv, lane);
         const int cnt1 = __shfl_sync(0xffffffffu, cnt, (lps < 32) ? lps : 0);
         if (lane == 0) {
-            uint32_t* meta = reinterpret_cast<uint32_t*>(rec_out + hd / 2 + nseg(hd) * 8);
-            meta[0] = stb | mnb << 16;
-            meta[1] = osb | (uint32_t)cnt << 16 | (uint32_t)(nseg(hd) > 1 ? cnt1 : 0) << 20 | (uint32_t)zc << 24;
+            uint32_t* mw = reinterpret_cast<uint32_t*>(rec_out + meta(hd));
+            mw[0] = stb | mnb << 16;
+            mw[1] = osb | (uint32_t)cnt << 16 | (uint32_t)(nseg(hd) > 1 ? cnt1 : 0) << 20 | (uint32_t)zc << 24;
         }
+        __syncwarp();
     }
 };
 

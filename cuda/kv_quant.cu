@@ -7,7 +7,6 @@
 //   cache  u8 [2, b, nkv, max_len, rec]  K records then V records
 //   out    [2, b, nkv, len, hd] T         (dequantize) rows 0..len of every head
 #include "kv_codec.cuh"
-#include <type_traits>
 
 using namespace lowbit;
 
@@ -60,41 +59,22 @@ struct DequantParams {
     KvThr thr_k, thr_v;
 };
 
-// kv4: a block of 64 threads per row (over its bytes); oaken: one thread per chunk of
-// E::EPL values. Rows: [2, b, nkv, len].
+// A block per row at a time (threads over its values). Rows: [2, b, nkv, len].
 template <typename T, typename E>
 __device__ void kv_dequantize(const DequantParams& p) {
+    __shared__ float row_sh[128];
     pdl_trigger();
     pdl_wait();
-    if constexpr (std::is_same<E, Kv4>::value) {
-        __shared__ float row_sh[128];
-        const size_t rows = (size_t)2 * p.b * p.nkv * p.len;
-        for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
-            const int j = (int)(r % p.len);
-            const size_t head = r / p.len;
-            const int kv = head >= (size_t)p.b * p.nkv ? 1 : 0;
-            Kv4::decode(p.cache + (head * p.max_len + j) * p.rec, p.hd, kv, row_sh, threadIdx.x, blockDim.x);
-            __syncthreads();
-            T* o = static_cast<T*>(p.out) + r * p.hd;
-            for (int d = threadIdx.x; d < p.hd; d += blockDim.x) o[d] = from_f32<T>(row_sh[d]);
-            __syncthreads();
-        }
-    } else {
-        const int lpk = p.hd / E::EPL;
-        const size_t total = (size_t)2 * p.b * p.nkv * p.len * lpk;
-        for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
-            const int sub = (int)(t % lpk);
-            const size_t r = t / lpk;  // (kv, s, h, j) over len rows
-            const int j = (int)(r % p.len);
-            const size_t head = r / p.len;  // (kv * b + s) * nkv + h
-            const bool is_v = head >= (size_t)p.b * p.nkv;
-            const E enc{p.cache + head * p.max_len * p.rec, p.rec, p.hd, is_v ? p.thr_v : p.thr_k};
-            float f[E::EPL];
-            enc.unpack(enc.load(j, sub), sub, f);
-            T* o = static_cast<T*>(p.out) + r * p.hd + sub * E::EPL;
-#pragma unroll
-            for (int e = 0; e < E::EPL; ++e) o[e] = from_f32<T>(f[e]);
-        }
+    const size_t rows = (size_t)2 * p.b * p.nkv * p.len;
+    for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const int j = (int)(r % p.len);
+        const size_t head = r / p.len;  // (kv * b + s) * nkv + h
+        const int kv = head >= (size_t)p.b * p.nkv ? 1 : 0;
+        E::decode(p.cache + (head * p.max_len + j) * p.rec, p.hd, kv, kv ? p.thr_v : p.thr_k, row_sh, threadIdx.x, blockDim.x);
+        __syncthreads();
+        T* o = static_cast<T*>(p.out) + r * p.hd;
+        for (int d = threadIdx.x; d < p.hd; d += blockDim.x) o[d] = from_f32<T>(row_sh[d]);
+        __syncthreads();
     }
 }
 

@@ -19,12 +19,29 @@ fn thr() -> Thresholds {
     Thresholds::new([-2.0, -0.1, 0.125, 2.5]).unwrap()
 }
 
+/// The K record of `x` and its decoded values; the V record (other slot order, same
+/// entries and header) must decode to the same values.
 fn oaken_roundtrip(x: &[f32], t: &Thresholds) -> (Vec<u8>, Vec<f32>) {
-    let mut rec = vec![0u8; oaken::rec_bytes(x.len())];
-    oaken::quantize_row(x, &mut rec, &t.params());
-    let mut out = vec![0f32; x.len()];
-    oaken::dequantize_row(&rec, &mut out, &t.params());
-    (rec, out)
+    let hd = x.len();
+    let (mut recs, mut outs) = (vec![], vec![]);
+    for kv in [0, 1] {
+        let mut rec = vec![0u8; oaken::rec_bytes(hd)];
+        oaken::quantize_row(kv, x, &mut rec, &t.params());
+        let mut out = vec![0f32; hd];
+        oaken::dequantize_row(kv, &rec, &mut out, &t.params());
+        recs.push(rec);
+        outs.push(out);
+    }
+    assert_eq!(
+        outs[0], outs[1],
+        "oaken: K and V slot orders decode differently"
+    );
+    assert_eq!(
+        recs[0][hd / 2..],
+        recs[1][hd / 2..],
+        "oaken: K and V entries differ"
+    );
+    (recs.swap_remove(0), outs.swap_remove(0))
 }
 
 fn counts(rec: &[u8], hd: usize) -> Vec<u8> {
@@ -199,16 +216,22 @@ fn codecs_error_within_their_steps_on_random_rows() {
     }
 }
 
-/// kv4's slot order is a permutation of the row, for K and V at both head dims.
+/// kv4's slot order (also Oaken's dense codes') is a permutation of the row, for K and V
+/// at every head dim, and `element_slot` is its inverse.
 #[test]
 fn kv4_slot_order_is_a_permutation() {
-    for hd in [64, 128] {
+    for hd in [32, 64, 128] {
         for kv in [0, 1] {
             let mut seen = vec![false; hd];
             for s in 0..hd {
                 let d = kv4::slot_element(kv, hd, s);
                 assert!(d < hd && !seen[d], "kv {kv} hd {hd}: slot {s} -> {d}");
                 seen[d] = true;
+                assert_eq!(
+                    kv4::element_slot(kv, hd, d),
+                    s,
+                    "kv {kv} hd {hd}: element {d}"
+                );
             }
         }
     }

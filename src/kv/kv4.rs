@@ -54,6 +54,18 @@ pub fn slot_element(kv: usize, hd: usize, s: usize) -> usize {
     }
 }
 
+/// The slot of element `d` of a K (`kv` 0) or V (`kv` 1) row: the inverse of
+/// [`slot_element`] (`kv4_slot` in `cuda/kv_codec.cuh`).
+pub fn element_slot(kv: usize, hd: usize, d: usize) -> usize {
+    if kv == 0 {
+        let (slice, r) = (d / 16, d % 16);
+        let n = (r >> 3) | (slice & 1) << 1 | (r & 1) << 2;
+        ((r & 7) >> 1) * (hd / 4) + 8 * (slice / 2) + n
+    } else {
+        (d % 8) * (hd / 8) + d / 8
+    }
+}
+
 /// Encode one row `x` (`hd` values) of K (`kv` 0) or V (`kv` 1) into `rec`
 /// (`rec_bytes(hd)` bytes).
 pub fn quantize_row(kv: usize, x: &[f32], rec: &mut [u8]) {

@@ -192,6 +192,12 @@ impl KvCodec {
         }
     }
 
+    /// Head dims the fused decode attention reads this encoding at: 64 and 128 (its
+    /// tensor-core kernel); at others the cache is dequantized for the generic attention.
+    pub fn attends(&self, hd: usize) -> bool {
+        matches!(hd, 64 | 128)
+    }
+
     pub fn rec_bytes(&self, hd: usize) -> usize {
         self.format().row_bytes(hd, DType::U8)
     }
@@ -208,7 +214,7 @@ impl KvCodec {
     pub fn quantize_row(&self, kv: usize, x: &[f32], rec: &mut [u8]) {
         match self {
             Self::Kv4 => kv4::quantize_row(kv, x, rec),
-            Self::Oaken(_) => oaken::quantize_row(x, rec, &self.thr(kv)),
+            Self::Oaken(_) => oaken::quantize_row(kv, x, rec, &self.thr(kv)),
         }
     }
 
@@ -216,7 +222,7 @@ impl KvCodec {
     pub fn dequantize_row(&self, kv: usize, rec: &[u8], out: &mut [f32]) {
         match self {
             Self::Kv4 => kv4::dequantize_row(kv, rec, out),
-            Self::Oaken(_) => oaken::dequantize_row(rec, out, &self.thr(kv)),
+            Self::Oaken(_) => oaken::dequantize_row(kv, rec, out, &self.thr(kv)),
         }
     }
 }
@@ -408,8 +414,13 @@ impl KvEncoding for PackedKv {
         if self.k_pre_rope() {
             return Some("K is stored before RoPE (the fused attention reads rotated keys)".into());
         }
-        (!self.0.supports(heads.hd))
-            .then(|| format!("{}: head dim {} unsupported", self.0.name(), heads.hd))
+        (!self.0.attends(heads.hd)).then(|| {
+            format!(
+                "{}: no fused decode attention at head dim {} (64 or 128)",
+                self.0.name(),
+                heads.hd
+            )
+        })
     }
 
     fn codec(&self) -> Option<KvCodec> {

@@ -6,7 +6,9 @@
 //! extra bit).
 //!
 //! Record per (token, KV head) of K or V, `hd / 2 + 8 · ceil(hd / 64) + 8` bytes; the
-//! layout and the decoding rules are drawn in `cuda/kv_codec.cuh`. Bits per value,
+//! layout and the decoding rules are drawn in `cuda/kv_codec.cuh`. The dense codes lie in
+//! kv4's slot order ([`super::kv4::slot_element`]), so the tensor-core decode attention
+//! takes them as it takes kv4's; segments and sparse entries count elements. Bits per value,
 //! everything counted: 5.5 at hd 128 (0.344× f16), 6.0 at hd 64 — whatever the number
 //! of outliers, since each 64-value segment reserves 8 entries.
 //!
@@ -27,14 +29,15 @@
 //!   26.23 / 19.04 after RoPE against 26.36 / 19.05 before (f16 cache 25.51 / 18.47; kv4
 //!   28.35 / 20.36 after, 28.42 / 20.48 before). Fractions 0.10 / 0.10 instead of the
 //!   default 0.04 / 0.06: 26.65 / 19.31.
-//! - The decode attention reads oaken rows in the generic kernel (8 values per lane, the
-//!   segment's 8 entries walked by every lane): correct, but slower than the f16 cache
-//!   (BENCHMARKS.md); kv4 has the tensor-core kernel.
+//! - The decode attention reads oaken rows on kv4's tensor-core kernel (head dims 64 and
+//!   128): the dense codes as middle values, the middle group's jump over the inner
+//!   interval as a second mma over the masks `code >= zc`, and the sparse entries as
+//!   per-key score corrections (K) and output corrections (V); `cuda/decode_attention.cu`.
 //!
 //! These functions are the CPU references of the CUDA encoder and decoder and are
 //! bit-identical with them.
 
-use super::kv4::{f16_at, nibble, put_f16, rint_clamp, set_nibble};
+use super::kv4::{element_slot, f16_at, nibble, put_f16, rint_clamp, set_nibble};
 use half::f16;
 
 /// Values per sparse segment and entries reserved per segment (KV_SEG, KV_SEG_CAP).
@@ -266,8 +269,9 @@ pub fn group(x: f32, t: &Thresholds) -> Group {
     }
 }
 
-/// Encode one row `x` (`hd` values, hd in 32, 64, 128) into `rec` with thresholds `t`.
-pub fn quantize_row(x: &[f32], rec: &mut [u8], t: &KvThr) {
+/// Encode one row `x` (`hd` values, hd in 32, 64, 128) of K (`kv` 0) or V (`kv` 1) into
+/// `rec` with thresholds `t`.
+pub fn quantize_row(kv: usize, x: &[f32], rec: &mut [u8], t: &KvThr) {
     let hd = x.len();
     let (sl, nseg) = (segment_len(hd), segments(hd));
     let th = Thresholds {
@@ -350,7 +354,7 @@ pub fn quantize_row(x: &[f32], rec: &mut [u8], t: &KvThr) {
             } else {
                 q.min(zc.saturating_sub(1))
             };
-            set_nibble(rec, d, q);
+            set_nibble(rec, element_slot(kv, hd, d), q);
             continue;
         }
         let v = x[d];
@@ -361,7 +365,7 @@ pub fn quantize_row(x: &[f32], rec: &mut [u8], t: &KvThr) {
             let q5 = rint_clamp((v - t.inner_lo) * t.inner_inv, 0.0, 31.0);
             (q5 & 15, (q5 >> 4) as u8, 1u8)
         };
-        set_nibble(rec, d, code);
+        set_nibble(rec, element_slot(kv, hd, d), code);
         let (seg, p) = (d / sl, d % sl);
         rec[ent_off + seg * SEGMENT_ENTRIES + rank[d]] = p as u8 | inner << 6 | extra << 7;
     }
@@ -373,8 +377,9 @@ pub fn quantize_row(x: &[f32], rec: &mut [u8], t: &KvThr) {
     rec[meta + 7] = zc as u8;
 }
 
-/// Decode record `rec` into `out` (`hd` values) with thresholds `t`.
-pub fn dequantize_row(rec: &[u8], out: &mut [f32], t: &KvThr) {
+/// Decode record `rec` of K (`kv` 0) or V (`kv` 1) into `out` (`hd` values) with
+/// thresholds `t`.
+pub fn dequantize_row(kv: usize, rec: &[u8], out: &mut [f32], t: &KvThr) {
     let hd = out.len();
     let (sl, nseg) = (segment_len(hd), segments(hd));
     let meta = hd / 2 + SEGMENT_ENTRIES * nseg;
@@ -385,7 +390,7 @@ pub fn dequantize_row(rec: &[u8], out: &mut [f32], t: &KvThr) {
     );
     let zc = rec[meta + 7] as u32;
     for (d, o) in out.iter_mut().enumerate() {
-        let c = nibble(rec, d);
+        let c = nibble(rec, element_slot(kv, hd, d));
         let s = c as f32 * mstep + mmin;
         *o = s + if c >= zc { t.inner_hi } else { t.inner_lo };
     }
@@ -397,7 +402,7 @@ pub fn dequantize_row(rec: &[u8], out: &mut [f32], t: &KvThr) {
             if d >= hd {
                 continue;
             }
-            let (c, extra) = (nibble(rec, d), (e >> 7) as u32);
+            let (c, extra) = (nibble(rec, element_slot(kv, hd, d)), (e >> 7) as u32);
             out[d] = if e >> 6 & 1 == 1 {
                 (c | extra << 4) as f32 * t.inner_step + t.inner_lo
             } else {

@@ -9,21 +9,24 @@ use crate::kernels::{
 use crate::kv::oaken::KvThr;
 use crate::kv::KvCodec;
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{DType, Layout, Result, Tensor, WithDType};
 use half::{bf16, f16};
 
 /// Threads per block of `attn_decode` (ATTN_THREADS in its header), and chunks of loads in
-/// flight per lane (`UNROLL` of every encoding the generic kernel reads, kv_codec.cuh).
+/// flight per lane (`UNROLL` of `DenseKv`, the rows the generic kernel reads, kv_codec.cuh).
 const ATTN_THREADS: u32 = 128;
 const ATTN_UNROLL: usize = 4;
 
-/// Warps per block, keys per warp step and ring stages per warp of the tensor-core kv4
-/// kernel (TC_WARPS, TC_STEP, TC_STAGES in cuda/decode_attention.cu).
+/// Warps per block, keys per warp step and ring stages per warp of the tensor-core kernel
+/// (kv4 and oaken), and query heads per KV head at most (TC_WARPS, TC_STEP, TC_STAGES,
+/// ATTN_MAX_G in cuda/decode_attention.cu).
 const TC_WARPS: usize = 4;
 const TC_STEP: usize = 16;
 const TC_STAGES: usize = 4;
+const ATTN_MAX_G: usize = 8;
 
 fn grid(x: usize, y: usize, z: usize, threads: u32, smem: u32) -> LaunchConfig {
     LaunchConfig {
@@ -202,9 +205,10 @@ fn attn_chunk(max_len: usize, batch_rows: usize) -> usize {
     }
 }
 
-/// Keys per block of the tensor-core kv4 kernel for caches of more than 8192 rows: the
+/// Keys per block of the tensor-core kernel for caches of more than 8192 rows: the
 /// cache split into as many chunks as keep `heads` (batch × KV heads) × chunks within one
-/// wave of resident blocks (`slots`: four per SM), at most [`TC_MAX_SPLITS`]. A block's
+/// wave of resident blocks (`slots`: [`tc_split_slots_per_sm`] per SM), at most [`TC_MAX_SPLITS`].
+/// (Measured on kv4:) A block's
 /// fixed work (the query, its partials, the merge) is paid per chunk and a second wave
 /// of a few blocks costs a whole block time. H200, 32 KV heads of 128 at L = 16k, batch
 /// 1, fixed chunks (µs at 256 / 512 / 1024 / 2048 / 4096 keys): 51.0 / 49.1 / 45.3 / 57.2 /
@@ -216,12 +220,20 @@ fn tc_long_chunk_for(max_len: usize, heads: usize, slots: usize) -> usize {
     max_len.div_ceil(splits)
 }
 
-/// Most key chunks per KV head of the tensor-core kv4 kernel at long contexts (the last
+/// Most key chunks per KV head of the tensor-core kernel at long contexts (the last
 /// block of a head merges them all).
 const TC_MAX_SPLITS: usize = 32;
 
-/// Resident blocks per SM of the tensor-core kv4 kernel (127 registers x 128 threads).
-const TC_BLOCKS_PER_SM: usize = 4;
+/// Block slots per SM that [`tc_long_chunk_for`] fills: kv4 one wave of its 4 resident
+/// blocks per SM; oaken (3 resident) more than two waves, its blocks being longer (H200, 32
+/// heads of 128, chunks of 16384 / 8192 / 4096 / 2048 keys: MHA L 16k batch 8 649 / 609 / 614 /
+/// 605 µs, batch 32 2334 / 2331 / 2303 / 2328, 8 KV heads L 32k batch 8 500 / 410 / 395 / 382).
+fn tc_split_slots_per_sm(codec: KvCodec) -> usize {
+    match codec {
+        KvCodec::Kv4 => 4,
+        KvCodec::Oaken(_) => 8,
+    }
+}
 
 /// `CANDLE_LOWBIT_TC_CHUNK`: overrides [`tc_long_chunk_for`] (for measuring; read once).
 fn tc_long_chunk() -> Option<usize> {
@@ -322,26 +334,29 @@ pub(super) fn decode_attention(
         let (b, max_len) = (dims[1], dims[3]);
         let Heads { nh, nkv, hd } = heads;
         let g = nh / nkv;
-        // kv4 runs on the tensor-core kernel (keys in steps of TC_STEP per warp); the others
-        // on the generic one, in chunks of EPL values per lane with ATTN_UNROLL chunks in
-        // flight (EPL, UNROLL of the encoding in cuda/kv_codec.cuh).
-        let tc = matches!(codec, Some(KvCodec::Kv4));
+        // Packed caches (kv4, oaken) run on the tensor-core kernel (keys in steps of TC_STEP
+        // per warp); dense ones on the generic kernel, in chunks of EPL values per lane with
+        // ATTN_UNROLL chunks in flight (EPL, UNROLL of DenseKv in cuda/kv_codec.cuh).
+        let tc = codec.is_some();
         let (epl, rec) = match codec {
             None => (16 / T::DTYPE.size_in_bytes(), hd * T::DTYPE.size_in_bytes()),
             Some(c) => (8, c.rec_bytes(hd)),
         };
-        if tc && !matches!(hd, 64 | 128) {
-            candle_core::bail!("decode_attention: kv4 needs head dim 64 or 128, got {hd}")
+        if let Some(c) = codec.filter(|c| !c.attends(hd)) {
+            candle_core::bail!(
+                "decode_attention: {} needs head dim 64 or 128, got {hd}",
+                c.name()
+            )
         }
         let batch_rows = if tc {
             TC_WARPS * TC_STEP
         } else {
             (ATTN_THREADS as usize / (hd / epl)) * ATTN_UNROLL
         };
-        let chunk = match (tc, tc_long_chunk()) {
-            (true, Some(c)) if max_len > 8192 => c,
-            (true, None) if max_len > 8192 => {
-                tc_long_chunk_for(max_len, b * nkv, TC_BLOCKS_PER_SM * sm_count(dev)?)
+        let chunk = match (codec, tc_long_chunk()) {
+            (Some(_), Some(c)) if max_len > 8192 => c,
+            (Some(c), None) if max_len > 8192 => {
+                tc_long_chunk_for(max_len, b * nkv, tc_split_slots_per_sm(c) * sm_count(dev)?)
             }
             _ => attn_chunk(max_len, batch_rows),
         };
@@ -360,15 +375,23 @@ pub(super) fn decode_attention(
             };
         let smem = if tc {
             // q, then the warps' rings (a stage: K and V records of TC_STEP keys and 16
-            // bytes of lead each), reused for the warps' outputs.
+            // bytes of lead each), reused for the warps' outputs; Oaken's corrections after.
             let ring = TC_WARPS * TC_STAGES * 2 * (TC_STEP * rec + 16);
-            g * hd * 4 + ring.max(TC_WARPS * g * hd * 4)
+            let sparse = match codec {
+                // score corrections, ΔV tiles (rows of hd + 8 f16), the K slot table
+                Some(KvCodec::Oaken(_)) => {
+                    TC_WARPS * TC_STEP * (ATTN_MAX_G * 4 + (hd + 8) * 2) + hd
+                }
+                _ => 0,
+            };
+            g * hd * 4 + ring.max(TC_WARPS * g * hd * 4) + sparse
         } else {
             (g * hd + g * chunk + ATTN_THREADS as usize * epl * g) * 4
         };
-        if smem > 48 * 1024 {
+        let limit = if tc { 160 * 1024 } else { 48 * 1024 };
+        if smem > limit {
             candle_core::bail!(
-                "decode_attention: {smem} bytes of shared memory for {heads:?} (limit 48 KiB)"
+                "decode_attention: {smem} bytes of shared memory for {heads:?} (limit {limit})"
             )
         }
         let qkv = contiguous_view::<T>(s1, l1, "qkv")?;
@@ -396,7 +419,8 @@ pub(super) fn decode_attention(
         if tc && k_addr % 16 != 0 {
             // The kernel copies records from the 16-byte boundary at or before them.
             candle_core::bail!(
-                "decode_attention: a kv4 cache must start at a 16-byte boundary, got a view at byte offset {} ({l2:?})",
+                "decode_attention: a {} cache must start at a 16-byte boundary, got a view at byte offset {} ({l2:?})",
+                codec.map_or("packed", |c| c.name()),
                 l2.start_offset()
             )
         }
@@ -412,6 +436,13 @@ pub(super) fn decode_attention(
             if append { "_append" } else { "" },
         );
         let func = dev.get_or_load_custom_func(&name, "decode_attention", ptx::DECODE_ATTENTION)?;
+        if smem > 48 * 1024 {
+            func.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(candle_core::Error::wrap)?;
+        }
         let thr = |kv| codec.map(|c| c.thr(kv)).unwrap_or_default();
         let tables = [&p.cos, &p.sin, &p.pos, &p.pads];
         with_positions(tables, &stream, |[cp, sp, pp, dp]| {

@@ -161,10 +161,11 @@ pub(super) fn kv_dequantize(
                 thr_k: codec.thr(0),
                 thr_v: codec.thr(1),
             };
-            let threads = (n / 8).div_ceil(256).min(65535 * 4) as u32;
+            // A block of hd threads per row, rows strided over the grid.
+            let rows = (2 * b * nkv * len).min(1 << 20) as u32;
             let cfg = LaunchConfig {
-                grid_dim: (threads.max(1), 1, 1),
-                block_dim: (256, 1, 1),
+                grid_dim: (rows, 1, 1),
+                block_dim: (hd as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             unsafe { launch_params(&func, &stream, cfg, 0, &params) }?;
