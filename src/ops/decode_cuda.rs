@@ -338,10 +338,8 @@ pub(super) fn decode_attention(
         // per warp); dense ones on the generic kernel, in chunks of EPL values per lane with
         // ATTN_UNROLL chunks in flight (EPL, UNROLL of DenseKv in cuda/kv_codec.cuh).
         let tc = codec.is_some();
-        let (epl, rec) = match codec {
-            None => (16 / T::DTYPE.size_in_bytes(), hd * T::DTYPE.size_in_bytes()),
-            Some(c) => (8, c.rec_bytes(hd)),
-        };
+        let epl = 16 / T::DTYPE.size_in_bytes();
+        let rec = codec.map_or(hd * T::DTYPE.size_in_bytes(), |c| c.rec_bytes(hd));
         if let Some(c) = codec.filter(|c| !c.attends(hd)) {
             candle_core::bail!(
                 "decode_attention: {} needs head dim 64 or 128, got {hd}",
