@@ -55,6 +55,7 @@
 // 128); nh / nkv <= ATTN_MAX_G; chunk <= 256 for the generic kernel (any for the
 // tensor-core one). Launched with programmatic dependent launch (pdl_wait, common.cuh).
 #include "kv_codec.cuh"
+#include "mma.cuh"
 
 using namespace lowbit;
 
@@ -413,20 +414,6 @@ __device__ void attn_decode(const AttnParams& p) {
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ void mma_f16_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // f16 pairs of nibbles (0, 4) and (1, 5) of w, exact: (w & mask) | 0x6400 is 1024 + n
 // (or 1024 + 16 n for the high nibbles).
 __device__ __forceinline__ uint32_t nib_lo(uint32_t w) {
@@ -587,12 +574,6 @@ __device__ __forceinline__ uint32_t oaken_entries(uint32_t rec, const KvThr& t, 
         valid |= (k < cnt ? 1u : 0u) << k;
     }
     return valid;
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t sa, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(sa));
 }
 
 __device__ __forceinline__ uint32_t hge_mask(uint32_t c, __half2 z) {

@@ -39,6 +39,8 @@ mod gptq;
 mod kernels;
 #[path = "bench/models.rs"]
 mod models;
+#[path = "bench/prefill.rs"]
+mod prefill;
 #[path = "bench/quant.rs"]
 mod quant;
 #[path = "bench/report.rs"]
@@ -137,6 +139,8 @@ fn run(args: &Args) -> Result<bool> {
     let sections = (|| -> Result<()> {
         kernels::run(&mut ctx)?;
         attention::run(&mut ctx)?;
+        prefill::run(&mut ctx)?;
+        ctx.report.print_group("attention");
         e2e::run(&mut ctx, e2e::Section::Floor)?;
         e2e::run(&mut ctx, e2e::Section::E2e)?;
         e2e::run(&mut ctx, e2e::Section::E2e70b)?;

@@ -105,8 +105,8 @@ impl Attention {
     }
 
     /// One token per sequence: the fused append + decode attention (one launch on CUDA).
-    /// Prompts: the fused append (RoPE on K, K and V into the cache), then candle ops over
-    /// the cache.
+    /// Prompts: the fused append (RoPE on K, K and V into the cache), then the fused prefill
+    /// attention over the cache (CUDA, f16 / bf16), else candle ops over it.
     fn forward(
         &self,
         x: &Activation,
@@ -127,18 +127,24 @@ impl Attention {
             1 => kv.append_attend_decode(&qkv, ctx.pos, ctx.dev)?,
             _ => None,
         };
-        let y = if let Some(y) = fused {
-            y
-        } else {
-            kv.append(&qkv, ctx.pos, ctx.dev)?;
-            let q = qkv
-                .narrow(2, 0, n_h * hd)?
-                .reshape((b, seq, n_h, hd))?
-                .transpose(1, 2)?
-                .contiguous()?;
-            let q = candle_nn::rotary_emb::rope(&q, ctx.cos, ctx.sin)?;
-            let y = kv.attend(&q, ctx.pos + seq, ctx.mask)?;
-            y.transpose(1, 2)?.reshape((b, seq, n_h * hd))?
+        let y = match fused {
+            Some(y) => y,
+            None => {
+                kv.append(&qkv, ctx.pos, ctx.dev)?;
+                match kv.attend_prefill(&qkv, ctx.pos, ctx.dev)? {
+                    Some(y) => y,
+                    None => {
+                        let q = qkv
+                            .narrow(2, 0, n_h * hd)?
+                            .reshape((b, seq, n_h, hd))?
+                            .transpose(1, 2)?
+                            .contiguous()?;
+                        let q = candle_nn::rotary_emb::rope(&q, ctx.cos, ctx.sin)?;
+                        let y = kv.attend(&q, ctx.pos + seq, ctx.mask)?;
+                        y.transpose(1, 2)?.reshape((b, seq, n_h * hd))?
+                    }
+                }
+            }
         };
         obs.linear_input(layer, Slot::O, &y)?;
         self.o.forward(&y)

@@ -623,3 +623,72 @@ fn quantized_kv_cuda_matches_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// The fused prefill attention on the GPU against its CPU reference on the same inputs:
+/// odd prompt lengths, chunks after a cached past (`pos > 0`), left padding (down to a
+/// sequence that is all padding but its last token), GQA groups 1..8, head dims 64 and
+/// 128, f16 and bf16, keys and values read as strided views of a larger cache.
+#[test]
+fn prefill_attention_cuda_matches_cpu() -> Result<()> {
+    use candle_lowbit::ops::{prefill_attention, Heads};
+    let (cpu, dev) = (Device::Cpu, gpu()?);
+    let h = |nh, nkv, hd| Heads { nh, nkv, hd };
+    // (heads, pads, pos, seq, capacity)
+    let cases: [(Heads, &[u32], usize, usize, usize); 6] = [
+        (h(4, 4, 64), &[0], 0, 1, 16),
+        (h(9, 3, 64), &[0, 5, 76], 0, 77, 100),
+        (h(32, 8, 128), &[0, 3], 130, 200, 400),
+        (h(8, 1, 128), &[0], 0, 129, 129),
+        (h(4, 2, 128), &[2], 63, 65, 130),
+        (h(6, 6, 64), &[0, 0], 300, 64, 364),
+    ];
+    for (dtype, atol, rtol) in [(DType::F16, 2e-3f32, 1e-2f32), (DType::BF16, 1.5e-2, 2e-2)] {
+        for (seed, &(heads, pads, pos, seq, cap)) in cases.iter().enumerate() {
+            let b = pads.len();
+            let seed = seed as u64 * 10;
+            let qkv = randn(seed, &[b, seq, heads.qkv_width()], 1.0, dtype, &cpu)?;
+            let cache = randn(
+                seed + 1,
+                &[2, b, heads.nkv, cap, heads.hd],
+                2.0,
+                dtype,
+                &cpu,
+            )?;
+            let tabs = tables(cap + 8, heads.hd, &cpu)?;
+            let len = pos + seq;
+            let run = |d: &Device| -> Result<Tensor> {
+                let c = cache.to_device(d)?;
+                let (k, v) = (c.get(0)?.narrow(2, 0, len)?, c.get(1)?.narrow(2, 0, len)?);
+                let p = positions_on(pads, pos as u32, &tabs, d)?;
+                Ok(prefill_attention(
+                    &qkv.to_device(d)?,
+                    &k,
+                    &v,
+                    heads,
+                    &p,
+                    pos,
+                )?)
+            };
+            let (want, got) = (run(&cpu)?, run(&dev)?.to_device(&cpu)?);
+            let what = format!("prefill {dtype:?} {heads:?} pads {pads:?} pos {pos} seq {seq}");
+            assert_close(&got, &want, atol, rtol, &what)?;
+            println!("{what}: max |diff| {:.2e}", max_abs_diff(&got, &want)?.0);
+        }
+    }
+    // Bad inputs are refused before any launch.
+    let heads = h(4, 2, 64);
+    let qkv = randn(1, &[1, 5, heads.qkv_width()], 1.0, DType::F16, &dev)?;
+    let kv = randn(2, &[1, 2, 4, 64], 1.0, DType::F16, &dev)?;
+    let tabs = tables(16, 64, &cpu)?;
+    let p = positions_on(&[0], 0, &tabs, &dev)?;
+    let err = prefill_attention(&qkv, &kv, &kv, heads, &p, 0).unwrap_err();
+    assert!(err.to_string().contains("must be [1, 2, 5, 64]"), "{err}");
+    let odd = h(4, 2, 96);
+    let qkv = randn(1, &[1, 5, odd.qkv_width()], 1.0, DType::F16, &dev)?;
+    let kv = randn(2, &[1, 2, 5, 96], 1.0, DType::F16, &dev)?;
+    let tabs = tables(16, 96, &cpu)?;
+    let p = positions_on(&[0], 0, &tabs, &dev)?;
+    let err = prefill_attention(&qkv, &kv, &kv, odd, &p, 0).unwrap_err();
+    assert!(err.to_string().contains("head dim 64 or 128"), "{err}");
+    Ok(())
+}

@@ -444,3 +444,55 @@ fn oaken_tied_quantiles_are_pulled_apart() -> Result<()> {
     assert!(OakenLayer::from_quantiles(&[1.0; 4], &[1.0; 4]).is_err());
     Ok(())
 }
+
+/// The fused prefill attention's CPU reference against the candle-ops prompt path
+/// (`KvCache::attend` with the causal mask) on the same cache: a second prompt chunk
+/// after a cached first one, GQA, one sequence left-padded (its padding rows see only
+/// themselves), f32.
+#[test]
+fn prefill_attention_reference_matches_the_candle_ops_path() -> Result<()> {
+    use candle_lowbit::ops::{prefill_attention, rope_kv_append};
+    let heads = Heads {
+        nh: 6,
+        nkv: 2,
+        hd: 64,
+    };
+    let (cpu, pads, cap) = (Device::Cpu, [0u32, 3], 16);
+    let mut d = KvCache::of_format(KvFormat::Dense, heads, cap, DType::F32, &cpu)?;
+    let store = Tensor::zeros((2, 2, heads.nkv, cap, heads.hd), DType::F32, &cpu)?;
+    for (seed, pos, seq) in [(5u64, 0usize, 7usize), (6, 7, 5)] {
+        let qkv = common::randn(seed, &[2, seq, heads.qkv_width()], 1.0, DType::F32, &cpu)?;
+        let p = positions(&pads, pos as u32, cap, heads.hd)?;
+        d.append(&qkv, pos, &p)?;
+        rope_kv_append(&store, &qkv, heads, &p)?;
+        let len = pos + seq;
+        let (k, v) = (
+            store.get(0)?.narrow(2, 0, len)?,
+            store.get(1)?.narrow(2, 0, len)?,
+        );
+        let fused = prefill_attention(&qkv, &k, &v, heads, &p, pos)?;
+        // The model's candle-ops path: rotate q per row, attend with the causal mask.
+        let ids: Vec<u32> = pads
+            .iter()
+            .flat_map(|&pad| (pos..len).map(move |r| (r as u32).saturating_sub(pad)))
+            .collect();
+        let ids = Tensor::new(ids, &cpu)?;
+        let half = heads.hd / 2;
+        let cos = p.cos.index_select(&ids, 0)?.reshape((2, seq, half))?;
+        let sin = p.sin.index_select(&ids, 0)?.reshape((2, seq, half))?;
+        let q = qkv
+            .narrow(2, 0, heads.nh * heads.hd)?
+            .reshape((2, seq, heads.nh, heads.hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
+        let mask = candle_lowbit::kv::causal_mask(&pads.map(|x| x as usize), pos, seq, &cpu)?;
+        let generic = d.attend(&q, len, Some(&mask))?.transpose(1, 2)?.reshape((
+            2,
+            seq,
+            heads.nh * heads.hd,
+        ))?;
+        common::assert_close(&fused, &generic, 1e-5, 1e-4, &format!("chunk at {pos}"))?;
+    }
+    Ok(())
+}

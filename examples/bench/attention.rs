@@ -118,7 +118,6 @@ pub fn run(ctx: &mut Ctx) -> Result<()> {
             }
         }
     }
-    ctx.report.print_group("attention");
     Ok(())
 }
 
@@ -166,7 +165,11 @@ fn stock_attn(
 
 /// f32 RoPE tables `[n_pos, hd/2]` (theta 10000, the HF "rotate half" convention both
 /// candle's `rope` and our kernels use).
-fn rope_tables(n_pos: usize, hd: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+pub(crate) fn rope_tables(
+    n_pos: usize,
+    hd: usize,
+    dev: &candle_core::Device,
+) -> Result<(Tensor, Tensor)> {
     let freqs: Vec<f32> = (0..hd)
         .step_by(2)
         .map(|i| 1f32 / 10_000f32.powf(i as f32 / hd as f32))
@@ -179,7 +182,7 @@ fn rope_tables(n_pos: usize, hd: usize, dev: &candle_core::Device) -> Result<(Te
 }
 
 /// Device positions for a step at cache row `pos`.
-fn positions(
+pub(crate) fn positions(
     tables: &(Tensor, Tensor),
     pos: usize,
     b: usize,

@@ -71,7 +71,7 @@ fn plan(section: Section, quick: bool) -> Plan {
     let mut metrics = vec![Metric::Load, Metric::Check];
     let (cfg, chunk) = match (section, quick) {
         (Section::E2e, false) => {
-            metrics.extend([512, 2048].map(Metric::Prefill));
+            metrics.extend([512, 2048, 8192].map(Metric::Prefill));
             metrics.extend([128, 1024, 4096, 16384].map(|ctx| Metric::Decode { ctx, batch: 1 }));
             metrics.extend([8, 32, 64].map(|batch| Metric::Decode {
                 ctx: batch_ctx,

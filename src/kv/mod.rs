@@ -23,6 +23,7 @@ use crate::ops::decode::{
     append_decode_attention, decode_attention, rope_kv_append, Heads, StepPositions,
 };
 use crate::ops::kv_quant::{kv_append, kv_dequantize};
+use crate::ops::{prefill_attention, prefill_unsupported};
 use candle_core::{DType, Device, Result, Tensor};
 pub use oaken::{OakenFractions, OakenLayer};
 use std::sync::Arc;
@@ -591,6 +592,42 @@ impl KvCache {
             .fused_decode(kv, counters, qkv, (self.heads, p), false)
     }
 
+    /// Why [`KvCache::attend_prefill`] does not run the fused kernel here (`None`: it does).
+    pub fn no_fused_prefill(&self) -> Option<String> {
+        if !self.device.is_cuda() {
+            return Some("fused prefill attention: CUDA only".into());
+        }
+        if !fused_prefill_enabled() {
+            return Some("fused prefill attention: off (CANDLE_LOWBIT_FUSED_PREFILL)".into());
+        }
+        prefill_unsupported(self.heads, self.dtype)
+    }
+
+    /// Causal attention of a prompt chunk already appended at rows `pos..pos + seq`
+    /// (`qkv` `[b, seq, ..]` as given to [`KvCache::append`], its q heads unrotated) over
+    /// rows `0..pos + seq`, in one fused launch: `[b, seq, nh hd]`. Dense caches are read
+    /// in place; packed ones are dequantized to the run dtype first (the same values the
+    /// decode steps attend over). `None` where [`KvCache::no_fused_prefill`] says why
+    /// (use [`KvCache::attend`]).
+    pub fn attend_prefill(
+        &self,
+        qkv: &Tensor,
+        pos: usize,
+        p: &StepPositions,
+    ) -> Result<Option<Tensor>> {
+        if self.no_fused_prefill().is_some() {
+            return Ok(None);
+        }
+        let Some(kv) = &self.store else {
+            candle_core::bail!("kv cache: attend before any append")
+        };
+        let len = pos + qkv.dim(1)?;
+        let (k, v) = self
+            .enc
+            .keys_values(kv, len, self.heads, self.dtype, self.rope.as_ref())?;
+        prefill_attention(qkv, &k, &v, self.heads, p, pos).map(Some)
+    }
+
     /// Attention of rotated queries `q` `[b, nh, seq, hd]` over the first `len` rows.
     ///
     /// `mask`: optional additive f32 mask `[b, 1, seq, len]` (0 or -inf). Query heads are
@@ -628,6 +665,24 @@ impl KvCache {
         y.reshape((b, n_h, seq, hd))?.to_dtype(q.dtype())
     }
 }
+
+/// Whether prompts use the fused prefill attention where it applies: the environment's
+/// `CANDLE_LOWBIT_FUSED_PREFILL` (`1` on, `0` off, for measuring against the candle-ops
+/// path; read once), else [`FUSED_PREFILL_DEFAULT`].
+fn fused_prefill_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(
+        || match std::env::var("CANDLE_LOWBIT_FUSED_PREFILL").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => FUSED_PREFILL_DEFAULT,
+        },
+    )
+}
+
+/// Off until the kernel has passed its GPU tests (`tests/cuda_ops.rs`
+/// `prefill_attention_cuda_matches_cpu`) on the H200.
+const FUSED_PREFILL_DEFAULT: bool = false;
 
 /// Additive causal mask `[b, 1, seq, pos + seq]` (f32: 0 allowed, -inf masked) for
 /// queries at positions `pos..pos+seq` of sequences left-padded by `pads[i]` tokens.

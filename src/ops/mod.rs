@@ -4,6 +4,7 @@
 pub mod decode;
 mod gemv;
 pub mod kv_quant;
+mod prefill;
 mod rms_norm;
 mod stream_read;
 mod tiles;
@@ -18,6 +19,7 @@ pub use decode::{
 };
 pub use gemv::{gemv, gemv_ok, gemv_silu_mul, gemv_weight_ok, Gemv, GEMV_MAX_M};
 pub use kv_quant::{kv_append, kv_dequantize};
+pub use prefill::{prefill_attention, prefill_unsupported, PREFILL_HEAD_DIMS};
 pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
 pub use tiles::{tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_MAX_M};
