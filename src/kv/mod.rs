@@ -680,9 +680,10 @@ fn fused_prefill_enabled() -> bool {
     )
 }
 
-/// Off until the kernel has passed its GPU tests (`tests/cuda_ops.rs`
-/// `prefill_attention_cuda_matches_cpu`) on the H200.
-const FUSED_PREFILL_DEFAULT: bool = false;
+/// On: the kernel passed its GPU test (`tests/cuda_ops.rs`
+/// `prefill_attention_cuda_matches_cpu`) and the GPU model tests with it on the H200
+/// (2026-12-03).
+const FUSED_PREFILL_DEFAULT: bool = true;
 
 /// Additive causal mask `[b, 1, seq, pos + seq]` (f32: 0 allowed, -inf masked) for
 /// queries at positions `pos..pos+seq` of sequences left-padded by `pads[i]` tokens.
