@@ -87,6 +87,7 @@
 //      as the unfused pair (gate and up to f16, silu(gate) to f16, the product to f16).
 // Weights are read before pdl_wait (no kernel writes them); activations after.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 using namespace lowbit;
 
@@ -742,3 +743,278 @@ __device__ void tiles_add_outliers(const uint32_t* __restrict__ entries, const u
 TILES_DEQ(f32, float)
 TILES_DEQ(f16, __half)
 TILES_DEQ(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------
+// Large m (tiles_gemm, sm_90a builds): warpgroup MMA, wgmma.mma_async m64nBNk16 f16 -> f32,
+// with the weights dequantized to f16 in registers as the A operand and the activations as
+// the shared-memory operand B (K-major: a stage's [BN tokens][64 columns] f16 is 128 bytes
+// per token row, 128-byte swizzle). D = W · Xᵀ; the result is transposed through shared
+// memory and written as y f16 [m, n].
+//
+// CTA: 2 warpgroups (256 threads), 4 row blocks (128 weight rows) x BN tokens (64 or 128,
+// the host's choice for the grid); one tile column (64 k) per stage:
+//
+//   stage  [0, 128 BN)            activations, token row r at 128 r, 16-byte chunk c at
+//                                 (c ^ (r & 7)) * 16 (columns past k and tokens past m: zeros)
+//          [128 BN, + 4096)       row block b's tile at 1024 b, as stored (2-bit: 512 bytes)
+//          [.., + 512)            row block b's scales at 128 b: two-level 64 bytes of scale
+//                                 codes then 64 of super scales; plain 128 bytes (scale, zero)
+//
+// Warp w (0..7) takes row block b = 2 (w / 4) + (w % 4) / 2 and its 16-row half mb = w % 2:
+// exactly wgmma's A rows 16 (w % 4) .. + 15 of warpgroup w / 4, in mma.m16n8k16's A layout,
+// which is how a tile's half is packed (lane rows lg + 16 mb + 8 nbl). Each code pair becomes
+// f16(q * scale + zero) as the dequantize kernel rounds it (deq2), so the GEMM is the f16
+// product of the dequantized weight with f32 accumulation. The next stage is dequantized
+// while the current stage's wgmmas run (two fragment sets), the copies run STAGES - 1 ahead.
+// Layers with sparse outliers do not take this kernel (the host's rule): gathering their
+// activation columns in the epilogue made it 5x slower (measured, BENCHMARKS.md).
+template <int BN>
+struct TgTile {
+    static constexpr int X = BN * 128;
+    static constexpr int W = 4 * 1024;
+    static constexpr int S = 4 * 128;
+    static constexpr int STAGE = (X + W + S + 1023) / 1024 * 1024;
+    // One CTA per SM at BN = 128 (64 f32 sums per thread), two at BN = 64.
+    static constexpr int STAGES = BN == 128 ? 6 : 4;
+};
+
+struct TgArgs {
+    const __half* x;
+    const uint32_t* codes;
+    const uint8_t* sc;
+    const __half* sup;
+    const __half* plain;
+    int m, n, k, G, H, R, S, SG, gshift;
+};
+
+// Copies of tile column g into `stage` (shared address): thread tid takes activation chunk
+// tid % 8 of token rows tid / 8 + 32 j, weight chunk tid % 64 of row block tid / 64, and
+// (tid < 32) scale chunk tid % 8 of row block tid / 8.
+template <bool TWO, int BN>
+__device__ __forceinline__ void tg_load(const TgArgs& p, int g, uint32_t stage, const uint32_t* desc_sh, int m0,
+                                        int rb0) {
+    const int tid = threadIdx.x;
+    {
+        const int r = tid >> 3, c = tid & 7;
+        const int col = g * 64 + 8 * c;
+#pragma unroll
+        for (int j = 0; j < BN / 32; ++j) {
+            const int row = r + 32 * j;
+            const bool ok = col < p.k && m0 + row < p.m;
+            const __half* src = ok ? p.x + (size_t)(m0 + row) * p.k + col : p.x;
+            cp_async16_zfill(stage + row * 128 + ((c ^ (row & 7)) << 4), src, ok ? 16 : 0);
+        }
+    }
+    {
+        const int b = tid >> 6, c = tid & 63;
+        const int rb = rb0 + b;
+        if (rb < p.R) {
+            const uint32_t d = desc_sh[b * p.G + g];
+            if (c < 32 || (d >> 31))
+                cp_async16_sa(stage + TgTile<BN>::X + 1024 * b + 16 * c,
+                              reinterpret_cast<const uint4*>(p.codes) +
+                                  ((size_t)rb * 32 * (p.G + p.H) + ((d & 0x7fffffffu) >> 2) + c));
+        }
+    }
+    if (tid < 32) {
+        const int b = tid >> 3, c = tid & 7;
+        const int rb = rb0 + b;
+        if (rb < p.R) {
+            const uint32_t dst = stage + TgTile<BN>::X + TgTile<BN>::W + 128 * b + 16 * c;
+            if (TWO) {
+                const uint8_t* src =
+                    c < 4 ? p.sc + ((size_t)rb * p.G + g) * 64 + 16 * c
+                          : reinterpret_cast<const uint8_t*>(p.sup + ((size_t)rb * p.S + (g >> 4)) * 32) + 16 * (c - 4);
+                cp_async16_sa(dst, src);
+            } else {
+                cp_async16_sa(dst, p.plain + ((size_t)rb * p.SG + (g >> p.gshift)) * 64 + 8 * c);
+            }
+        }
+    }
+}
+
+// The warp's A fragments of one stage: a[kc] for the 16 columns 16 kc .. + 15 of its half mb
+// of the tile at `tw` (scales at `ts`), dequantized to f16.
+template <bool TWO, bool FOUR>
+__device__ __forceinline__ void tg_frags(uint32_t (&a)[4][4], const uint8_t* tw, const uint8_t* ts, int mb,
+                                         int lane) {
+    const int lg = lane >> 2;
+    uint32_t w[4];
+    if (FOUR) {
+        const uint4 v = *reinterpret_cast<const uint4*>(tw + 16 * (32 * mb + lane));
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(tw + 16 * lane + 8 * mb);
+        w[0] = v.x; w[1] = v.y; w[2] = 0u; w[3] = 0u;
+    }
+    __half2 s2[2], z2[2];
+    if (TWO) {
+        const uint32_t scw = *reinterpret_cast<const uint32_t*>(ts + 8 * lg + 4 * mb);
+        const uint32_t dsw = *reinterpret_cast<const uint32_t*>(ts + 64 + 8 * lg + 4 * mb);
+        const float inv = FOUR ? (1.0f / 15.0f) : (1.0f / 3.0f);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint32_t sc = (scw >> (16 * h)) & 0xffu;
+            const int zc = (int)(int8_t)((scw >> (16 * h + 8)) & 0xffu);
+            const __half ds = __ushort_as_half((unsigned short)((dsw >> (16 * h)) & 0xffffu));
+            const __half s = __float2half_rn(__fmul_rn(__fmul_rn((float)sc, __half2float(ds)), inv));
+            const __half z = __float2half_rn(__fmul_rn(__fmul_rn((float)zc, __half2float(s)), 0.125f));
+            s2[h] = __half2half2(s);
+            z2[h] = __half2half2(z);
+        }
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(ts + 16 * lg + 8 * mb);
+        s2[0] = __half2half2(__ushort_as_half((unsigned short)(v.x & 0xffffu)));
+        z2[0] = __half2half2(__ushort_as_half((unsigned short)(v.x >> 16)));
+        s2[1] = __half2half2(__ushort_as_half((unsigned short)(v.y & 0xffffu)));
+        z2[1] = __half2half2(__ushort_as_half((unsigned short)(v.y >> 16)));
+    }
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+        for (int hb = 0; hb < 2; ++hb)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t bits = FOUR ? (w[2 * h + kc / 2] >> (4 * (2 * (kc & 1) + hb))) & 0x000f000fu
+                                           : (w[h] >> (2 * (2 * kc + hb))) & 0x00030003u;
+                a[kc][2 * hb + h] = deq2(bits, s2[h], z2[h]);
+            }
+}
+
+template <bool TWO, int BN>
+__device__ __forceinline__ void tg_dequant(uint32_t (&a)[4][4], const uint8_t* stage, const uint32_t* desc_sh,
+                                           int G, int g, int lb, int mb, int lane) {
+    const uint8_t* tw = stage + TgTile<BN>::X + 1024 * lb;
+    const uint8_t* ts = stage + TgTile<BN>::X + TgTile<BN>::W + 128 * lb;
+    if (desc_sh[lb * G + g] >> 31) tg_frags<TWO, true>(a, tw, ts, mb, lane);
+    else tg_frags<TWO, false>(a, tw, ts, mb, lane);
+}
+
+template <int BN>
+__device__ __forceinline__ void tg_mma(float (&acc)[BN / 2], const uint32_t (&a)[4][4], const uint8_t* stage) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+        if constexpr (BN == 128) wgmma_f16_rs_n128(acc, a[kc], smem_desc(stage + 32 * kc), 1);
+        else wgmma_f16_rs_n64(acc, a[kc], smem_desc(stage + 32 * kc), 1);
+    }
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void fence_frags(uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) fence_regs(a[i]);
+}
+
+template <bool TWO, int BN>
+__device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restrict__ codes,
+                           const uint32_t* __restrict__ desc, const uint8_t* __restrict__ sc,
+                           const __half* __restrict__ sup, const __half* __restrict__ plain,
+                           __half* __restrict__ y, int m, int n, int k, int H, int group) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(128) uint8_t smem_raw[];
+    // The 128-byte swizzle is a function of address bits 4..9: stages start on 1 KiB.
+    uint8_t* smem = smem_raw + ((1024 - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+    constexpr int SZ = TgTile<BN>::STAGE, N = TgTile<BN>::STAGES;
+    TgArgs p;
+    p.x = x; p.codes = codes; p.sc = sc; p.sup = sup; p.plain = plain;
+    p.m = m; p.n = n; p.k = k; p.G = (k + 63) / 64; p.H = H; p.R = n / 32;
+    p.S = (p.G + 15) / 16; p.SG = (k + group - 1) / group; p.gshift = __ffs(group / 64) - 1;
+    const int G = p.G;
+    uint32_t* desc_sh = reinterpret_cast<uint32_t*>(smem + N * SZ);
+    const int rb0 = blockIdx.x * 4, m0 = blockIdx.y * BN;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    pdl_trigger();
+    // The four row blocks' descriptors (a uniform format's implied, as in tiles_mm).
+    for (int i = threadIdx.x; i < 4 * G; i += blockDim.x) {
+        const int b = i / G, g = i % G, rb = rb0 + b;
+        desc_sh[i] = rb >= p.R ? 0u
+                     : H == G  ? 0x80000000u | 256u * (uint32_t)g
+                     : H == 0  ? 128u * (uint32_t)g
+                               : __ldg(desc + (size_t)rb * G + g);
+    }
+    __syncthreads();
+    pdl_wait();
+#pragma unroll 1
+    for (int s = 0; s < N - 1; ++s) {
+        if (s < G) tg_load<TWO, BN>(p, s, sbase + s * SZ, desc_sh, m0, rb0);
+        cp_async_commit();
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lb = 2 * (warp >> 2) + ((warp & 3) >> 1), mb = warp & 1;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    // Two fragment sets in straight-line pairs (no copies). Column i's wgmmas are issued
+    // behind column i - 1's (the tensor cores never drain between columns); waiting for all
+    // but the newest group then frees column i - 1's fragments and stage, so column i + 1 is
+    // dequantized into those registers while column i runs.
+    uint32_t a0[4][4], a1[4][4];
+    cp_async_wait<N - 2>();
+    fence_proxy_async();
+    __syncthreads();
+    tg_dequant<TWO, BN>(a0, smem, desc_sh, G, 0, lb, mb, lane);
+    wgmma_fence();
+    auto step = [&](uint32_t (&cur)[4][4], uint32_t (&nxt)[4][4], int i) {
+        tg_mma<BN>(acc, cur, smem + (i % N) * SZ);
+        wgmma_commit();
+        wgmma_wait<1>();  // column i - 1's wgmmas are done: nxt and its stage are free
+        fence_frags<4>(nxt);
+        if (i + 1 < G) {
+            cp_async_wait<N - 3>();  // column i + 1 landed (this thread's copies)
+            fence_proxy_async();
+            __syncthreads();  // everyone's copies; every warpgroup done with column i - 1's stage
+            const int gi = i + N - 1;
+            if (gi < G) tg_load<TWO, BN>(p, gi, sbase + (gi % N) * SZ, desc_sh, m0, rb0);
+            cp_async_commit();
+            tg_dequant<TWO, BN>(nxt, smem + ((i + 1) % N) * SZ, desc_sh, G, i + 1, lb, mb, lane);
+            wgmma_fence();  // nxt written before the wgmmas that read it
+        }
+    };
+#pragma unroll 1
+    for (int i = 0; i < G; i += 2) {
+        step(a0, a1, i);
+        if (i + 1 < G) step(a1, a0, i + 1);
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    fence_frags<4>(a0);
+    fence_frags<4>(a1);
+    cp_async_wait<0>();
+    __syncthreads();  // every stage read: the tile is staged through them
+
+    const int g = lane >> 2, t = lane & 3;
+    // The tile transposed through shared memory ([token][row], rows padded by 16 bytes so the
+    // four t of a warp hit distinct banks), then 16-byte rows of y (n is a multiple of 32).
+    constexpr int LD = 128 + 8;
+    __half* tile = reinterpret_cast<__half*>(smem);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            tile[(8 * j + 2 * t + (e & 1)) * LD + warp * 16 + g + (e >= 2 ? 8 : 0)] = __float2half_rn(acc[4 * j + e]);
+    __syncthreads();
+    const int n0 = rb0 * 32;
+    for (int c = threadIdx.x; c < BN * 16; c += blockDim.x) {
+        const int ti = c >> 4, tr = (c & 15) * 8;
+        const int gi = m0 + ti, gr = n0 + tr;
+        if (gi >= m || gr >= n) continue;
+        *reinterpret_cast<uint4*>(y + (size_t)gi * n + gr) = *reinterpret_cast<const uint4*>(tile + ti * LD + tr);
+    }
+#else
+    __trap();  // built for an architecture without wgmma: the host never launches this
+#endif
+}
+
+#define TILES_GEMM(NAME, TWO, BN)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, BN == 128 ? 1 : 2)                                      \
+        NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
+             const __half* plain, __half* y, int m, int n, int k, int H, int group) {                          \
+        tiles_gemm<TWO, BN>(x, codes, desc, sc, sup, plain, y, m, n, k, H, group);                            \
+    }
+
+TILES_GEMM(tiles_gemm_two_bn64, true, 64)
+TILES_GEMM(tiles_gemm_two_bn128, true, 128)
+TILES_GEMM(tiles_gemm_plain_bn64, false, 64)
+TILES_GEMM(tiles_gemm_plain_bn128, false, 128)

@@ -362,12 +362,24 @@ fn tile_kernels_match_cpu() -> Result<()> {
             assert!(e < 1e-3, "{what}: dequantize rel {e}");
         }
         let tol = l.format().spec().tolerance as f32;
-        for m in (1..=16).chain([33, 200]) {
+        for m in (1..=16).chain([33, 129, 200]) {
             let x = randn(m as u64 * 3 + n as u64, &[m, k], 1.0, DType::F16, &cpu)?;
             let want = x.to_dtype(DType::F32)?.matmul(&wc.t()?)?;
             let xg = x.to_device(&dev)?;
             let (e, _) = rel_err(&g.forward(&xg)?, &want)?;
             assert!(e < tol, "{what}: m {m} rel {e}");
+            // Above 16 rows: the warpgroup GEMM (off by default; sm_90a builds, layers without
+            // outliers, else the default path again) at both CTA widths.
+            for bn in [64, 128] {
+                if m <= 16 {
+                    break;
+                }
+                candle_lowbit::ops::force_gemm_tokens(Some(bn));
+                let y = g.forward(&xg);
+                candle_lowbit::ops::force_gemm_tokens(None);
+                let (e, _) = rel_err(&y?, &want)?;
+                assert!(e < tol, "{what}: m {m}, {bn} tokens per CTA: rel {e}");
+            }
             if m <= 16 {
                 let y = g
                     .forward_fused(Epilogue::F32Out, &xg)

@@ -22,6 +22,8 @@ pub use kv_quant::{kv_append, kv_dequantize};
 pub use prefill::{prefill_attention, prefill_unsupported, PREFILL_HEAD_DIMS};
 pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
+#[doc(hidden)]
+pub use tiles::force_gemm_tokens;
 pub use tiles::{tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_MAX_M};
 pub use uniform::{uniform_dequantize, uniform_pack};
 pub use w4a4::{

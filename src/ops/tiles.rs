@@ -5,8 +5,11 @@
 //! turned into f16 `1024 + q` in registers for the tensor cores (weights as the mma's A
 //! operand), each group's scale and zero applied once per row and tile, outliers added in
 //! its epilogue (and, for the MLP's gate/up projection, SiLU·mul). Larger `m`: the weight is
-//! dequantized to f16 and candle's matmul (cuBLAS) runs. The CPU runs the reference
-//! ([`Tiles::dequantize_ref`] then a matmul in f32).
+//! dequantized and candle's matmul (cuBLAS) runs; on sm_90a builds a warpgroup-MMA GEMM
+//! (`tiles_gemm`: the weights dequantized to f16 in registers as wgmma's A operand, the
+//! activations streamed through shared memory) is there for layers without outliers, off
+//! by default until it beats that (`CANDLE_LOWBIT_TILES_GEMM=1` takes it). The CPU
+//! runs the reference ([`Tiles::dequantize_ref`] then a matmul in f32).
 
 use super::contiguous_slice;
 use crate::formats::w2416::Tiles;
@@ -39,6 +42,82 @@ fn kernel_ok(t: &Tiles, x: &Tensor) -> bool {
         && k <= TILES_MAX_K
 }
 
+/// Whether the large-m GEMM takes `x`: GPU, f16, `m >` [`TILES_MAX_M`], `k` the weight's and
+/// a multiple of 8 (16-byte rows), no sparse outliers (the kernel has no cheap way to gather
+/// their activation columns), an sm_90a build, not turned off by the environment.
+fn gemm_ok(t: &Tiles, x: &Tensor) -> bool {
+    let Ok((m, k)) = x.dims2() else { return false };
+    on_cuda(t)
+        && x.dtype() == DType::F16
+        && m > TILES_MAX_M
+        && k == t.k
+        && k.is_multiple_of(8)
+        && k <= TILES_MAX_K
+        && t.outliers.as_ref().is_none_or(|o| o.per_block == 0)
+        && gemm_built()
+        && gemm_enabled()
+}
+
+/// Whether `cuda/tiles.cu` was built for sm_90a (the GEMM's warpgroup MMA).
+fn gemm_built() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        static BUILT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *BUILT.get_or_init(|| crate::kernels::ptx::TILES.contains(".target sm_90a"))
+    }
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// The large-m GEMM is off by default: it is correct but slower than dequantize + cuBLAS at
+/// prefill sizes on the H200 (Llama-2-7B shapes at m = 2048: 1.3-1.6x; BENCHMARKS.md "The
+/// tiled weights' warpgroup GEMM"). `CANDLE_LOWBIT_TILES_GEMM=1` or [`force_gemm_tokens`]
+/// turn it on.
+fn gemm_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    GEMM_TOKENS.with(|c| c.get()).is_some()
+        || *ON.get_or_init(|| std::env::var("CANDLE_LOWBIT_TILES_GEMM").as_deref() == Ok("1"))
+}
+
+thread_local! {
+    static GEMM_TOKENS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Turns the large-m GEMM on for this thread with `bn` tokens per CTA (64 or 128); `None`
+/// goes back to the default (off unless `CANDLE_LOWBIT_TILES_GEMM=1`, the host's width). For
+/// tests and measurements.
+#[doc(hidden)]
+pub fn force_gemm_tokens(bn: Option<usize>) {
+    GEMM_TOKENS.with(|c| c.set(bn.filter(|b| *b == 64 || *b == 128)));
+}
+
+/// Tokens per CTA of the large-m GEMM for `r` row blocks and `m` tokens on `sms` SMs: 128
+/// (one CTA per SM) where that fills the GPU in no more waves than 64 (two per SM) would,
+/// else 64. `CANDLE_LOWBIT_TILES_BN` or [`force_gemm_tokens`] override.
+#[cfg(feature = "cuda")]
+fn gemm_tokens(r: usize, m: usize, sms: usize) -> usize {
+    if let Some(bn) = GEMM_TOKENS.with(|c| c.get()) {
+        return bn;
+    }
+    static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *ENV.get_or_init(|| {
+        std::env::var("CANDLE_LOWBIT_TILES_BN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|b: &usize| *b == 64 || *b == 128)
+    });
+    if let Some(bn) = forced {
+        return bn;
+    }
+    let rows = r.div_ceil(4);
+    let (c128, c64) = (rows * m.div_ceil(128), rows * m.div_ceil(64));
+    if c128 >= sms && c128.div_ceil(sms) <= c64.div_ceil(2 * sms) {
+        128
+    } else {
+        64
+    }
+}
+
 /// Widest rows of the fused kernel (its descriptors sit in shared memory; the outlier
 /// entries' column field is 16 bits).
 pub const TILES_MAX_K: usize = 65536;
@@ -61,10 +140,23 @@ pub fn tiles_plan(t: &Tiles, format: WeightFormat) -> Plan {
             t.n
         ))
     };
+    let large = if !gemm_built() {
+        "dequantize to f16 + cuBLAS above (no sm_90a build: no warpgroup-MMA GEMM)"
+    } else if !gemm_enabled() {
+        "dequantize to f16 + cuBLAS above (faster than the warpgroup-MMA GEMM at prefill \
+         sizes; CANDLE_LOWBIT_TILES_GEMM=1 takes the GEMM)"
+    } else if !t.k.is_multiple_of(8) {
+        "dequantize to f16 + cuBLAS above (k not a multiple of 8)"
+    } else if t.outliers.as_ref().is_some_and(|o| o.per_block > 0) {
+        "dequantize to f16 + cuBLAS above (sparse outliers: the warpgroup-MMA GEMM takes none)"
+    } else {
+        "warpgroup-MMA GEMM above (weights dequantized to f16 in registers); bf16 / f32 \
+         inputs: dequantize + matmul"
+    };
     Plan {
         matmul: format!(
             "{format}: tiled tensor-core kernel for f16 at m <= {TILES_MAX_M} (codes as f16 1024 + q \
-             in registers, scales per row and tile), dequantize to f16 + cuBLAS above"
+             in registers, scales per row and tile), {large}"
         ),
         silu_mul: silu,
         f32_out: Ok(()),
@@ -82,7 +174,7 @@ pub fn tiles_forward(t: &Tiles, x: &Tensor) -> Result<Tensor> {
             t.k
         )
     }
-    if kernel_ok(t, x) {
+    if kernel_ok(t, x) || gemm_ok(t, x) {
         return tiles_matmul(t, x, Epi::F16);
     }
     match x.dtype() {
@@ -107,12 +199,19 @@ pub fn tiles_fused(t: &Tiles, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>>
     }
 }
 
-/// The kernel, validated: `x` f16 `[m <= 16, k]` on the GPU.
+/// The kernels, validated: `x` f16 `[m <= 16, k]` on the GPU, or (plain f16 output) any
+/// `m` where the large-m GEMM applies.
 fn tiles_matmul(t: &Tiles, x: &Tensor, epi: Epi) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
-    if x.dtype() != DType::F16 || !(1..=TILES_MAX_M).contains(&m) || k != t.k || k > TILES_MAX_K {
+    let skinny = (1..=TILES_MAX_M).contains(&m);
+    if x.dtype() != DType::F16
+        || !(skinny || (epi == Epi::F16 && gemm_ok(t, x)))
+        || k != t.k
+        || k > TILES_MAX_K
+    {
         candle_core::bail!(
-            "tiles_matmul: x {:?} {:?} (want f16 [1..={TILES_MAX_M}, {}], k <= {TILES_MAX_K})",
+            "tiles_matmul: x {:?} {:?} (want f16 [1..={TILES_MAX_M}, {}], or more rows with k a \
+             multiple of 8 on an sm_90a build; k <= {TILES_MAX_K})",
             x.shape(),
             x.dtype(),
             t.k
@@ -195,6 +294,9 @@ impl CustomOp1 for TilesMatmul {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if l.shape().dims2()?.0 > super::TILES_MAX_M {
+            return cuda::gemm(&self.tiles, s, l);
+        }
         cuda::matmul(&self.tiles, self.epi, s, l)
     }
 }
@@ -412,6 +514,56 @@ mod cuda {
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         };
         Ok((storage, Shape::from((m, out_cols))))
+    }
+
+    /// Shared memory of a `tiles_gemm` variant (`TgTile` in the .cu file): its stages (6 of
+    /// 128 tokens, or 4 of 64), the descriptors of its 4 row blocks, 1 KiB to align.
+    fn gemm_smem(bn: usize, g: usize) -> usize {
+        let stage = (bn * 128 + 4096 + 512).div_ceil(1024) * 1024;
+        let stages = if bn == 128 { 6 } else { 4 };
+        stages * stage + 16 * g + 1024
+    }
+
+    /// The large-m GEMM: `x` f16 `[m, k]` (validated by `tiles_matmul`) → y f16 `[m, n]`.
+    pub(super) fn gemm(t: &Tiles, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+        let (m, k) = l.shape().dims2()?;
+        let (n, r, g) = (t.n, t.n / 32, crate::formats::w2416::tile_cols(t.k));
+        let dev = s.device().clone();
+        let stream = dev.cuda_stream();
+        let x = contiguous_view::<f16>(s, l, "x")?;
+        let (two, _, _, _, group) = scale_tensors(t);
+        let bn = super::gemm_tokens(r, m, sm_count(&dev)?);
+        let name = format!("tiles_gemm_{}_bn{bn}", if two { "two" } else { "plain" });
+        let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
+        let smem = gemm_smem(bn, g);
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(candle_core::Error::wrap)?;
+        let cfg = LaunchConfig {
+            grid_dim: (r.div_ceil(4) as u32, m.div_ceil(bn) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let out = unsafe { dev.alloc::<f16>(m * n)? };
+        {
+            let (op, _g) = dptr(&out, &stream);
+            with_weights(t, &stream, |wa| {
+                let (xp, _gx) = dptr(&x, &stream);
+                let ints = [m, n, k, t.h4, group].map(|v| Arg::I32(v as i32));
+                let mut args = vec![xp];
+                args.extend(&wa[..5]);
+                args.push(op);
+                args.extend(ints);
+                unsafe { launch_pdl(&func, &stream, cfg, &args) }
+            })?;
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((m, n)),
+        ))
     }
 
     pub(super) fn dequantize(t: &Tiles, dtype: DType) -> Result<(CudaStorage, Shape)> {
