@@ -901,7 +901,6 @@ __device__ __forceinline__ void tg_mma(float (&acc)[BN / 2], const uint32_t (&a)
 #endif
 }
 
-template <int N>
 __device__ __forceinline__ void fence_frags(uint32_t (&a)[4][4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) fence_regs(a[i]);
@@ -960,7 +959,7 @@ __device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restr
         tg_mma<BN>(acc, cur, smem + (i % N) * SZ);
         wgmma_commit();
         wgmma_wait<1>();  // column i - 1's wgmmas are done: nxt and its stage are free
-        fence_frags<4>(nxt);
+        fence_frags(nxt);
         if (i + 1 < G) {
             cp_async_wait<N - 3>();  // column i + 1 landed (this thread's copies)
             fence_proxy_async();
@@ -979,8 +978,8 @@ __device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restr
     }
     wgmma_wait<0>();
     fence_regs(acc);
-    fence_frags<4>(a0);
-    fence_frags<4>(a1);
+    fence_frags(a0);
+    fence_frags(a1);
     cp_async_wait<0>();
     __syncthreads();  // every stage read: the tile is staged through them
 

@@ -8,6 +8,18 @@ pub mod ptx {
 #[cfg(feature = "cuda")]
 pub use cuda::*;
 
+/// Whether the kernels were built for sm_90a, so that their warpgroup-MMA (wgmma) kernels
+/// are real rather than traps (every `cuda/*.cu` is built with the same target; read once).
+pub fn wgmma_built() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        static BUILT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *BUILT.get_or_init(|| ptx::W4A4.contains(".target sm_90a"))
+    }
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 /// `(free, total)` bytes of the device's memory; `None` on the CPU (or without the cuda
 /// feature).
 pub fn device_memory(dev: &candle_core::Device) -> candle_core::Result<Option<(usize, usize)>> {

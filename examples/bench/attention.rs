@@ -97,24 +97,8 @@ pub fn run(ctx: &mut Ctx) -> Result<()> {
                             .map(|f| name(s.name, len, b, &ours_name(*f))),
                     )
                     .collect();
-                let wanted: Vec<String> = names.into_iter().filter(|n| ctx.wants(n)).collect();
-                if wanted.is_empty() {
-                    continue;
-                }
-                if ctx.over_budget() {
-                    wanted.iter().for_each(|n| ctx.skip_budget("attention", n));
-                    continue;
-                }
-                eprintln!("attention: {} L={len} batch={b}", s.name);
-                if let Err(e) = run_case(ctx, s, len, b, &wanted) {
-                    let (status, note) = classify(&e);
-                    let done: Vec<String> =
-                        ctx.report.rows.iter().map(|r| r.name.clone()).collect();
-                    for n in wanted.iter().filter(|n| !done.contains(n)) {
-                        ctx.push(Row::new("attention", n).status(status, note.clone()));
-                    }
-                    ctx.check_device()?;
-                }
+                let label = format!("{} L={len} batch={b}", s.name);
+                ctx.run_case("attention", names, &label, |c, w| run_case(c, s, len, b, w))?;
             }
         }
     }

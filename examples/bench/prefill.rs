@@ -16,7 +16,7 @@
 
 use crate::attention::{positions, rope_tables};
 use crate::report::{Row, Status};
-use crate::util::{classify, randn, rel_err, time_batched, Ctx};
+use crate::util::{randn, rel_err, time_batched, Ctx};
 use anyhow::Result;
 use candle_core::Tensor;
 use candle_lowbit::ops::Heads;
@@ -38,23 +38,12 @@ pub fn run(ctx: &mut Ctx) -> Result<()> {
         for &len in &lens {
             let names = ["candle-ops", "ours-fused"]
                 .map(|imp| format!("attention/prefill/{shape}/L{len}/{imp}"));
-            let wanted: Vec<String> = names.into_iter().filter(|n| ctx.wants(n)).collect();
-            if wanted.is_empty() {
-                continue;
-            }
-            if ctx.over_budget() {
-                wanted.iter().for_each(|n| ctx.skip_budget("attention", n));
-                continue;
-            }
-            eprintln!("attention: prefill {shape} L={len}");
-            if let Err(e) = run_case(ctx, heads, len, &wanted) {
-                let (status, note) = classify(&e);
-                let done: Vec<String> = ctx.report.rows.iter().map(|r| r.name.clone()).collect();
-                for n in wanted.iter().filter(|n| !done.contains(n)) {
-                    ctx.push(Row::new("attention", n).status(status, note.clone()));
-                }
-                ctx.check_device()?;
-            }
+            ctx.run_case(
+                "attention",
+                names,
+                &format!("prefill {shape} L={len}"),
+                |c, w| run_case(c, heads, len, w),
+            )?;
         }
     }
     Ok(())

@@ -78,6 +78,36 @@ impl Ctx {
         self.push(Row::new(group, name).status(Status::Skip, "over the --budget-s time budget"));
     }
 
+    /// One case of `group`'s rows: `f` runs with the `names` the filters want (none: nothing
+    /// runs) and reports them; over the time budget they are skipped; if `f` fails, each
+    /// wanted row it did not report gets the error, and the device is checked.
+    pub fn run_case(
+        &mut self,
+        group: &'static str,
+        names: impl IntoIterator<Item = String>,
+        label: &str,
+        f: impl FnOnce(&mut Ctx, &[String]) -> Result<()>,
+    ) -> Result<()> {
+        let wanted: Vec<String> = names.into_iter().filter(|n| self.wants(n)).collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        if self.over_budget() {
+            wanted.iter().for_each(|n| self.skip_budget(group, n));
+            return Ok(());
+        }
+        eprintln!("{group}: {label}");
+        if let Err(e) = f(self, &wanted) {
+            let (status, note) = classify(&e);
+            let done: Vec<String> = self.report.rows.iter().map(|r| r.name.clone()).collect();
+            for n in wanted.iter().filter(|n| !done.contains(n)) {
+                self.push(Row::new(group, n).status(status, note.clone()));
+            }
+            self.check_device()?;
+        }
+        Ok(())
+    }
+
     /// After a failed row: make sure the device still works (a sticky CUDA error, e.g.
     /// an illegal address, poisons every later row; stop then rather than report garbage).
     pub fn check_device(&self) -> Result<()> {

@@ -598,7 +598,7 @@ impl KvCache {
             return Some("fused prefill attention: CUDA only".into());
         }
         if !fused_prefill_enabled() {
-            return Some("fused prefill attention: off (CANDLE_LOWBIT_FUSED_PREFILL)".into());
+            return Some("fused prefill attention: off (CANDLE_LOWBIT_FUSED_PREFILL=0)".into());
         }
         prefill_unsupported(self.heads, self.dtype)
     }
@@ -615,7 +615,11 @@ impl KvCache {
         pos: usize,
         p: &StepPositions,
     ) -> Result<Option<Tensor>> {
-        if self.no_fused_prefill().is_some() {
+        // (The cheap checks first: no reason string is built on every layer of a prompt.)
+        if !self.device.is_cuda()
+            || !fused_prefill_enabled()
+            || prefill_unsupported(self.heads, self.dtype).is_some()
+        {
             return Ok(None);
         }
         let Some(kv) = &self.store else {
@@ -666,24 +670,14 @@ impl KvCache {
     }
 }
 
-/// Whether prompts use the fused prefill attention where it applies: the environment's
-/// `CANDLE_LOWBIT_FUSED_PREFILL` (`1` on, `0` off, for measuring against the candle-ops
-/// path; read once), else [`FUSED_PREFILL_DEFAULT`].
+/// Whether prompts use the fused prefill attention where it applies: on (its GPU test
+/// `tests/cuda_ops.rs` `prefill_attention_cuda_matches_cpu` and the GPU model tests passed
+/// with it on the H200, 2026-12-03) unless the environment's `CANDLE_LOWBIT_FUSED_PREFILL=0`
+/// asks for the candle-ops path (for measuring; read once).
 fn fused_prefill_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(
-        || match std::env::var("CANDLE_LOWBIT_FUSED_PREFILL").as_deref() {
-            Ok("1") => true,
-            Ok("0") => false,
-            _ => FUSED_PREFILL_DEFAULT,
-        },
-    )
+    *ON.get_or_init(|| std::env::var("CANDLE_LOWBIT_FUSED_PREFILL").as_deref() != Ok("0"))
 }
-
-/// On: the kernel passed its GPU test (`tests/cuda_ops.rs`
-/// `prefill_attention_cuda_matches_cpu`) and the GPU model tests with it on the H200
-/// (2026-12-03).
-const FUSED_PREFILL_DEFAULT: bool = true;
 
 /// Additive causal mask `[b, 1, seq, pos + seq]` (f32: 0 allowed, -inf masked) for
 /// queries at positions `pos..pos+seq` of sequences left-padded by `pads[i]` tokens.

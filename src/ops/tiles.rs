@@ -54,19 +54,8 @@ fn gemm_ok(t: &Tiles, x: &Tensor) -> bool {
         && k.is_multiple_of(8)
         && k <= TILES_MAX_K
         && t.outliers.as_ref().is_none_or(|o| o.per_block == 0)
-        && gemm_built()
+        && crate::kernels::wgmma_built()
         && gemm_enabled()
-}
-
-/// Whether `cuda/tiles.cu` was built for sm_90a (the GEMM's warpgroup MMA).
-fn gemm_built() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        static BUILT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *BUILT.get_or_init(|| crate::kernels::ptx::TILES.contains(".target sm_90a"))
-    }
-    #[cfg(not(feature = "cuda"))]
-    false
 }
 
 /// The large-m GEMM is off by default: it is correct but slower than dequantize + cuBLAS at
@@ -140,7 +129,7 @@ pub fn tiles_plan(t: &Tiles, format: WeightFormat) -> Plan {
             t.n
         ))
     };
-    let large = if !gemm_built() {
+    let large = if !crate::kernels::wgmma_built() {
         "dequantize to f16 + cuBLAS above (no sm_90a build: no warpgroup-MMA GEMM)"
     } else if !gemm_enabled() {
         "dequantize to f16 + cuBLAS above (faster than the warpgroup-MMA GEMM at prefill \

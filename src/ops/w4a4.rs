@@ -46,7 +46,9 @@ impl W4a4Kernel {
         match self {
             Self::Skinny => m <= W4A4_SKINNY_MAX_M,
             Self::Mma => true,
-            Self::Wgmma { ctas_per_sm } => (ctas_per_sm == 1 || ctas_per_sm == 2) && wgmma_built(),
+            Self::Wgmma { ctas_per_sm } => {
+                (ctas_per_sm == 1 || ctas_per_sm == 2) && crate::kernels::wgmma_built()
+            }
         }
     }
 
@@ -57,7 +59,7 @@ impl W4a4Kernel {
     pub fn choose(m: usize, n: usize) -> Self {
         if m <= W4A4_SKINNY_MAX_M {
             Self::Skinny
-        } else if wgmma_built() {
+        } else if crate::kernels::wgmma_built() {
             Self::Wgmma {
                 ctas_per_sm: if wgmma_tiles(m, n) <= H200_SMS { 1 } else { 2 },
             }
@@ -73,17 +75,6 @@ pub(super) const H200_SMS: usize = 132;
 /// CTAs of a wgmma grid before split-k: 128 weight rows × 64 tokens each.
 pub(super) fn wgmma_tiles(m: usize, n: usize) -> usize {
     n.div_ceil(128) * m.div_ceil(64)
-}
-
-/// Whether `cuda/w4a4.cu` was built for sm_90a (its wgmma kernels are real, not traps).
-fn wgmma_built() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        static BUILT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *BUILT.get_or_init(|| crate::kernels::ptx::W4A4.contains(".target sm_90a"))
-    }
-    #[cfg(not(feature = "cuda"))]
-    false
 }
 
 /// What [`w4a4_quantize`] quantizes: each `[.., k]` in f32/f16/bf16 (one dtype), `w` `[k]`.
