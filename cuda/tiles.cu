@@ -655,49 +655,80 @@ TILES_MM(tiles_mm_plain_f32_m16, false, 1, 16)
 TILES_MM(tiles_mm_plain_silu_m8, false, 2, 8)
 TILES_MM(tiles_mm_plain_silu_m16, false, 2, 16)
 
+// An f16 pair (bits v) stored as two T at dst.
+template <typename T>
+__device__ __forceinline__ void store_pair(uint8_t* dst, uint32_t v) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&v);
+    T* d = reinterpret_cast<T*>(dst);
+    d[0] = from_f32<T>(__low2float(h));
+    d[1] = from_f32<T>(__high2float(h));
+}
+template <>
+__device__ __forceinline__ void store_pair<__half>(uint8_t* dst, uint32_t v) {
+    *reinterpret_cast<uint32_t*>(dst) = v;
+}
+
 // Dequantize: one warp per tile, w [n, k] T = f16(q * scale + zero) (outliers not added).
-// The tile is decoded into shared memory (fragment order), then written row by row, 16
-// bytes per lane (each of the tile's 32 rows is 128 contiguous bytes of w in f16).
+// The tile's codes and scales are loaded before pdl_wait (weights: no kernel writes them)
+// and decoded in registers (fragment order); each element pair goes to the warp's tile in
+// shared memory, whose 16-byte chunks are XOR-swizzled by the row (chunk c of row r at
+// c ^ (r & 7)), so that both the pair writes (8 rows x 4 lanes per chunk column) and the
+// chunk reads (8 lanes per row) are free of bank conflicts; then the tile goes out as
+// 16-byte chunks of w's rows, 8 (f16, bf16) or 16 (f32) lanes per row segment, where k
+// keeps the rows 16-byte aligned (else element by element).
 template <bool TWO, typename T>
 __device__ void tiles_dequantize(const uint32_t* __restrict__ codes, const uint32_t* __restrict__ desc,
                                  const uint8_t* __restrict__ sc, const __half* __restrict__ sup,
                                  const __half* __restrict__ plain, T* __restrict__ w, int n, int k, int H,
                                  int group) {
-    __shared__ T tile_sh[4][32][64];
+    constexpr int RB = 64 * (int)sizeof(T);  // bytes of a tile row
+    constexpr int CH = RB / 16;               // its 16-byte chunks
+    constexpr int EPC = 16 / (int)sizeof(T);  // elements per chunk
+    __shared__ __align__(16) uint8_t tile_sh[4][32 * RB];
     pdl_trigger();
-    pdl_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = (k + 63) / 64, R = n / 32;
     const long long tile = (long long)blockIdx.x * (blockDim.x / 32) + warp;
-    if (tile >= (long long)R * G) return;
-    const int rb = (int)(tile / G), g = (int)(tile % G);
-    const TileSrc src = tile_src(codes, desc, sc, sup, plain, group, rb, G, H, k);
+    const bool live = tile < (long long)R * G;
+    const int rb = live ? (int)(tile / G) : 0, g = live ? (int)(tile % G) : 0;
     TileFrag f;
-    load_tile<TWO>(f, src, g, lane);
+    if (live) {
+        const TileSrc src = tile_src(codes, desc, sc, sup, plain, group, rb, G, H, k);
+        load_tile<TWO>(f, src, g, lane);
+    }
+    pdl_wait();
+    if (!live) return;
+    uint8_t* sh = tile_sh[warp];
     const int lg = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int nb = 0; nb < 4; ++nb) {
         __half2 s2, z2;
         tile_scales<TWO>(f, nb, s2, z2);
+        const int r = lg + 8 * nb;
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
             for (int hb = 0; hb < 2; ++hb) {
-                uint32_t v = f.four ? tile_b<true>(f, nb, kc, hb, s2, z2) : tile_b<false>(f, nb, kc, hb, s2, z2);
-                const __half2 h = *reinterpret_cast<__half2*>(&v);
-                const int c = kc * 16 + 2 * t + 8 * hb;
-                tile_sh[warp][lg + 8 * nb][c] = from_f32<T>(__low2float(h));
-                tile_sh[warp][lg + 8 * nb][c + 1] = from_f32<T>(__high2float(h));
+                const uint32_t v = f.four ? tile_b<true>(f, nb, kc, hb, s2, z2) : tile_b<false>(f, nb, kc, hb, s2, z2);
+                const int byte = (kc * 16 + 2 * t + 8 * hb) * (int)sizeof(T);
+                uint8_t* dst = sh + r * RB + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15);
+                store_pair<T>(dst, v);
             }
     }
     __syncwarp();
     const int cols = min(64, k - g * 64);  // even
-    for (int i = lane; i < 32 * 32; i += 32) {
-        const int r = i / 32, c = 2 * (i % 32);
-        if (c < cols) {
-            T* dst = w + ((size_t)rb * 32 + r) * k + (size_t)g * 64 + c;
-            dst[0] = tile_sh[warp][r][c];
-            dst[1] = tile_sh[warp][r][c + 1];
+    const bool vec = k % EPC == 0;
+    T* row0 = w + (size_t)rb * 32 * k + (size_t)g * 64;
+#pragma unroll 4
+    for (int i = lane; i < 32 * CH; i += 32) {
+        const int r = i / CH, ch = i % CH, c0 = ch * EPC;
+        if (c0 >= cols) continue;
+        const uint8_t* s = sh + r * RB + ((ch ^ (r & 7)) << 4);
+        T* dst = row0 + (size_t)r * k + c0;
+        if (vec && c0 + EPC <= cols) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(s);
+        } else {
+            for (int e = 0; e < EPC && c0 + e < cols; ++e) dst[e] = reinterpret_cast<const T*>(s)[e];
         }
     }
 }
@@ -906,11 +937,46 @@ __device__ __forceinline__ void fence_frags(uint32_t (&a)[4][4]) {
     for (int i = 0; i < 4; ++i) fence_regs(a[i]);
 }
 
+// Split-k (gridDim.z = splits > 1, where the row blocks x token tiles alone leave SMs idle):
+// CTA z takes tile columns [G z / splits, G (z + 1) / splits); each writes its f32 sums to
+// ws [tiles][splits][BN / 8][256 threads] float4 (a warp's stores contiguous), and the last to arrive at the tile's counter adds
+// all of them in z order (deterministic), zeroes the counter for the next launch, and stores.
+template <int BN>
+__device__ __forceinline__ bool tg_reduce(float (&acc)[BN / 2], float* ws, uint32_t* counters, int splits) {
+    __shared__ uint32_t arrived;
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x, z = blockIdx.z;
+    constexpr size_t STRIDE = 256 * (BN / 8);  // float4 per split
+    float4* base = reinterpret_cast<float4*>(ws) + (size_t)tile * splits * STRIDE + threadIdx.x;
+    float4* mine = base + (size_t)z * STRIDE;
+#pragma unroll
+    for (int i = 0; i < BN / 2; i += 4) __stcg(mine + 64 * i, make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) arrived = atomicAdd(counters + tile, 1u);
+    __syncthreads();
+    if (arrived != (uint32_t)splits - 1) return false;
+    __threadfence();
+    // Every partial (this CTA's own included) read back from L2 and added in z order.
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float4* part = base + (size_t)s * STRIDE;
+#pragma unroll
+        for (int i = 0; i < BN / 2; i += 4) {
+            const float4 v = __ldcg(part + 64 * i);
+            acc[i] += v.x; acc[i + 1] += v.y; acc[i + 2] += v.z; acc[i + 3] += v.w;
+        }
+    }
+    if (threadIdx.x == 0) counters[tile] = 0;
+    return true;
+}
+
 template <bool TWO, int BN>
 __device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restrict__ codes,
                            const uint32_t* __restrict__ desc, const uint8_t* __restrict__ sc,
                            const __half* __restrict__ sup, const __half* __restrict__ plain,
-                           __half* __restrict__ y, int m, int n, int k, int H, int group) {
+                           __half* __restrict__ y, float* __restrict__ ws, uint32_t* __restrict__ counters, int m,
+                           int n, int k, int H, int group, int splits) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(128) uint8_t smem_raw[];
     // The 128-byte swizzle is a function of address bits 4..9: stages start on 1 KiB.
@@ -921,6 +987,9 @@ __device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restr
     p.m = m; p.n = n; p.k = k; p.G = (k + 63) / 64; p.H = H; p.R = n / 32;
     p.S = (p.G + 15) / 16; p.SG = (k + group - 1) / group; p.gshift = __ffs(group / 64) - 1;
     const int G = p.G;
+    // This CTA's tile columns [c0, c0 + C).
+    const int c0 = (int)(((long long)G * blockIdx.z) / splits);
+    const int C = (int)(((long long)G * (blockIdx.z + 1)) / splits) - c0;
     uint32_t* desc_sh = reinterpret_cast<uint32_t*>(smem + N * SZ);
     const int rb0 = blockIdx.x * 4, m0 = blockIdx.y * BN;
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
@@ -937,7 +1006,7 @@ __device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restr
     pdl_wait();
 #pragma unroll 1
     for (int s = 0; s < N - 1; ++s) {
-        if (s < G) tg_load<TWO, BN>(p, s, sbase + s * SZ, desc_sh, m0, rb0);
+        if (s < C) tg_load<TWO, BN>(p, c0 + s, sbase + s * SZ, desc_sh, m0, rb0);
         cp_async_commit();
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -953,34 +1022,35 @@ __device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restr
     cp_async_wait<N - 2>();
     fence_proxy_async();
     __syncthreads();
-    tg_dequant<TWO, BN>(a0, smem, desc_sh, G, 0, lb, mb, lane);
+    tg_dequant<TWO, BN>(a0, smem, desc_sh, G, c0, lb, mb, lane);
     wgmma_fence();
     auto step = [&](uint32_t (&cur)[4][4], uint32_t (&nxt)[4][4], int i) {
         tg_mma<BN>(acc, cur, smem + (i % N) * SZ);
         wgmma_commit();
         wgmma_wait<1>();  // column i - 1's wgmmas are done: nxt and its stage are free
         fence_frags(nxt);
-        if (i + 1 < G) {
+        if (i + 1 < C) {
             cp_async_wait<N - 3>();  // column i + 1 landed (this thread's copies)
             fence_proxy_async();
             __syncthreads();  // everyone's copies; every warpgroup done with column i - 1's stage
             const int gi = i + N - 1;
-            if (gi < G) tg_load<TWO, BN>(p, gi, sbase + (gi % N) * SZ, desc_sh, m0, rb0);
+            if (gi < C) tg_load<TWO, BN>(p, c0 + gi, sbase + (gi % N) * SZ, desc_sh, m0, rb0);
             cp_async_commit();
-            tg_dequant<TWO, BN>(nxt, smem + ((i + 1) % N) * SZ, desc_sh, G, i + 1, lb, mb, lane);
+            tg_dequant<TWO, BN>(nxt, smem + ((i + 1) % N) * SZ, desc_sh, G, c0 + i + 1, lb, mb, lane);
             wgmma_fence();  // nxt written before the wgmmas that read it
         }
     };
 #pragma unroll 1
-    for (int i = 0; i < G; i += 2) {
+    for (int i = 0; i < C; i += 2) {
         step(a0, a1, i);
-        if (i + 1 < G) step(a1, a0, i + 1);
+        if (i + 1 < C) step(a1, a0, i + 1);
     }
     wgmma_wait<0>();
     fence_regs(acc);
     fence_frags(a0);
     fence_frags(a1);
     cp_async_wait<0>();
+    if (splits > 1 && !tg_reduce<BN>(acc, ws, counters, splits)) return;
     __syncthreads();  // every stage read: the tile is staged through them
 
     const int g = lane >> 2, t = lane & 3;
@@ -1009,8 +1079,9 @@ __device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restr
 #define TILES_GEMM(NAME, TWO, BN)                                                                             \
     extern "C" __global__ void __launch_bounds__(256, BN == 128 ? 1 : 2)                                      \
         NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
-             const __half* plain, __half* y, int m, int n, int k, int H, int group) {                          \
-        tiles_gemm<TWO, BN>(x, codes, desc, sc, sup, plain, y, m, n, k, H, group);                            \
+             const __half* plain, __half* y, float* ws, uint32_t* counters, int m, int n, int k, int H,        \
+             int group, int splits) {                                                                         \
+        tiles_gemm<TWO, BN>(x, codes, desc, sc, sup, plain, y, ws, counters, m, n, k, H, group, splits);      \
     }
 
 TILES_GEMM(tiles_gemm_two_bn64, true, 64)

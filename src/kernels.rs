@@ -20,6 +20,23 @@ pub fn wgmma_built() -> bool {
     false
 }
 
+/// Split-k count for a grid of `tiles` CTAs over `units` k steps with `slots` CTAs resident
+/// at once: 1 where the tiles alone fill two waves, else the count (at most 8, at least
+/// `min_units` steps each) that minimizes waves per unit of work, ties to fewer.
+pub fn split_k(tiles: usize, units: usize, slots: usize, min_units: usize) -> usize {
+    let slots = slots.max(1);
+    if tiles >= 2 * slots {
+        return 1;
+    }
+    let cost = |s: usize| (tiles * s).div_ceil(slots) as f64 / s as f64;
+    (1..=8usize)
+        .filter(|&s| s == 1 || units / s >= min_units)
+        .fold(
+            1,
+            |best, s| if cost(s) < cost(best) - 1e-9 { s } else { best },
+        )
+}
+
 /// `(free, total)` bytes of the device's memory; `None` on the CPU (or without the cuda
 /// feature).
 pub fn device_memory(dev: &candle_core::Device) -> candle_core::Result<Option<(usize, usize)>> {
@@ -281,5 +298,24 @@ mod cuda {
         stream: &'a CudaStream,
     ) -> (u64, SyncOnDrop<'a>) {
         v.device_ptr(stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_k;
+
+    #[test]
+    fn split_k_fills_idle_sms_only() {
+        // Two waves of tiles already: no split.
+        assert_eq!(split_k(264, 64, 132, 4), 1);
+        // 32 tiles on 264 slots: the most splits that still leave 4 steps each.
+        assert_eq!(split_k(32, 64, 264, 4), 8);
+        assert_eq!(split_k(32, 24, 264, 4), 6);
+        assert_eq!(split_k(1, 8, 132, 4), 2);
+        // Too few steps to split at all.
+        assert_eq!(split_k(1, 7, 132, 4), 1);
+        // 172 tiles on 132 slots: 3 splits make 4 waves of 1/3 the work (1.33 < 2 unsplit).
+        assert_eq!(split_k(172, 64, 132, 4), 3);
     }
 }

@@ -308,6 +308,7 @@ fn tile_kernels_match_cpu() -> Result<()> {
     let mut layers: Vec<Box<dyn LinearWeights>> = vec![];
     for (i, &(n, k)) in [
         (32usize, 64usize),
+        (32, 90),
         (64, 96),
         (96, 576),
         (64, 1536),

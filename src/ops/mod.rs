@@ -24,7 +24,9 @@ pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
 #[doc(hidden)]
 pub use tiles::force_gemm_tokens;
-pub use tiles::{tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_MAX_M};
+pub use tiles::{
+    tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_GEMM_MAX_M, TILES_MAX_M,
+};
 pub use uniform::{uniform_dequantize, uniform_pack};
 pub use w4a4::{
     tensor_bytes, w4a4_matmul, w4a4_matmul_with, w4a4_quantize, ActSource, W4a4Kernel,

@@ -4,12 +4,13 @@
 //! On the GPU with f16 activations and `m <=` [`TILES_MAX_M`] rows, one launch: codes
 //! turned into f16 `1024 + q` in registers for the tensor cores (weights as the mma's A
 //! operand), each group's scale and zero applied once per row and tile, outliers added in
-//! its epilogue (and, for the MLP's gate/up projection, SiLU·mul). Larger `m`: the weight is
-//! dequantized and candle's matmul (cuBLAS) runs; on sm_90a builds a warpgroup-MMA GEMM
+//! its epilogue (and, for the MLP's gate/up projection, SiLU·mul). For `16 < m <=`
+//! [`TILES_GEMM_MAX_M`] on sm_90a builds, layers without outliers: a warpgroup-MMA GEMM
 //! (`tiles_gemm`: the weights dequantized to f16 in registers as wgmma's A operand, the
-//! activations streamed through shared memory) is there for layers without outliers, off
-//! by default until it beats that (`CANDLE_LOWBIT_TILES_GEMM=1` takes it). The CPU
-//! runs the reference ([`Tiles::dequantize_ref`] then a matmul in f32).
+//! activations streamed through shared memory, split-k where the grid would leave SMs
+//! idle). Otherwise the weight is dequantized and candle's matmul (cuBLAS) runs, which is
+//! faster at prefill sizes (`CANDLE_LOWBIT_TILES_GEMM=1` takes the GEMM at every `m > 16`,
+//! `=0` at none). The CPU runs the reference ([`Tiles::dequantize_ref`] then a matmul in f32).
 
 use super::contiguous_slice;
 use crate::formats::w2416::Tiles;
@@ -42,9 +43,9 @@ fn kernel_ok(t: &Tiles, x: &Tensor) -> bool {
         && k <= TILES_MAX_K
 }
 
-/// Whether the large-m GEMM takes `x`: GPU, f16, `m >` [`TILES_MAX_M`], `k` the weight's and
-/// a multiple of 8 (16-byte rows), no sparse outliers (the kernel has no cheap way to gather
-/// their activation columns), an sm_90a build, not turned off by the environment.
+/// Whether the large-m GEMM takes `x`: GPU, f16, `m >` [`TILES_MAX_M`] within
+/// [`gemm_wanted`], `k` the weight's and a multiple of 8 (16-byte rows), no sparse outliers
+/// (the kernel has no cheap way to gather their activation columns), an sm_90a build.
 fn gemm_ok(t: &Tiles, x: &Tensor) -> bool {
     let Ok((m, k)) = x.dims2() else { return false };
     on_cuda(t)
@@ -55,25 +56,39 @@ fn gemm_ok(t: &Tiles, x: &Tensor) -> bool {
         && k <= TILES_MAX_K
         && t.outliers.as_ref().is_none_or(|o| o.per_block == 0)
         && crate::kernels::wgmma_built()
-        && gemm_enabled()
+        && gemm_wanted(m)
 }
 
-/// The large-m GEMM is off by default: it is correct but slower than dequantize + cuBLAS at
-/// prefill sizes on the H200 (Llama-2-7B shapes at m = 2048: 1.3-1.6x; BENCHMARKS.md "The
-/// tiled weights' warpgroup GEMM"). `CANDLE_LOWBIT_TILES_GEMM=1` or [`force_gemm_tokens`]
-/// turn it on.
-fn gemm_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    GEMM_TOKENS.with(|c| c.get()).is_some()
-        || *ON.get_or_init(|| std::env::var("CANDLE_LOWBIT_TILES_GEMM").as_deref() == Ok("1"))
+/// Most activation rows the large-m GEMM takes by default. Measured on the H200 (Llama-2-7B
+/// shapes, BENCHMARKS.md "Split-k"): at m = 17..128 it is 1.2-2.5x faster than dequantize +
+/// cuBLAS (at m <= 64 as fast as cuBLAS on f16 weights), at m = 256 equal or slower, at
+/// m = 2048 1.6-1.8x slower.
+pub const TILES_GEMM_MAX_M: usize = 128;
+
+/// Whether the large-m GEMM is wanted for `m > 16` rows: `m <=` [`TILES_GEMM_MAX_M`] unless
+/// the environment says `CANDLE_LOWBIT_TILES_GEMM=1` (every m) or `=0` (none);
+/// [`force_gemm_tokens`] takes it at every m.
+fn gemm_wanted(m: usize) -> bool {
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    if GEMM_TOKENS.with(|c| c.get()).is_some() {
+        return true;
+    }
+    let mode = *MODE.get_or_init(
+        || match std::env::var("CANDLE_LOWBIT_TILES_GEMM").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        },
+    );
+    mode.unwrap_or(m <= TILES_GEMM_MAX_M)
 }
 
 thread_local! {
     static GEMM_TOKENS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
 
-/// Turns the large-m GEMM on for this thread with `bn` tokens per CTA (64 or 128); `None`
-/// goes back to the default (off unless `CANDLE_LOWBIT_TILES_GEMM=1`, the host's width). For
+/// Turns the large-m GEMM on at every `m > 16` for this thread with `bn` tokens per CTA (64
+/// or 128); `None` goes back to the default ([`TILES_GEMM_MAX_M`], the host's width). For
 /// tests and measurements.
 #[doc(hidden)]
 pub fn force_gemm_tokens(bn: Option<usize>) {
@@ -130,17 +145,25 @@ pub fn tiles_plan(t: &Tiles, format: WeightFormat) -> Plan {
         ))
     };
     let large = if !crate::kernels::wgmma_built() {
-        "dequantize to f16 + cuBLAS above (no sm_90a build: no warpgroup-MMA GEMM)"
-    } else if !gemm_enabled() {
-        "dequantize to f16 + cuBLAS above (faster than the warpgroup-MMA GEMM at prefill \
-         sizes; CANDLE_LOWBIT_TILES_GEMM=1 takes the GEMM)"
+        "dequantize to f16 + cuBLAS above (no sm_90a build: no warpgroup-MMA GEMM)".to_string()
     } else if !t.k.is_multiple_of(8) {
-        "dequantize to f16 + cuBLAS above (k not a multiple of 8)"
+        "dequantize to f16 + cuBLAS above (k not a multiple of 8)".to_string()
     } else if t.outliers.as_ref().is_some_and(|o| o.per_block > 0) {
         "dequantize to f16 + cuBLAS above (sparse outliers: the warpgroup-MMA GEMM takes none)"
+            .to_string()
     } else {
-        "warpgroup-MMA GEMM above (weights dequantized to f16 in registers); bf16 / f32 \
-         inputs: dequantize + matmul"
+        let (lo, hi) = (gemm_wanted(TILES_MAX_M + 1), gemm_wanted(usize::MAX));
+        match (lo, hi) {
+            (true, true) => "warpgroup-MMA GEMM above (CANDLE_LOWBIT_TILES_GEMM=1)".to_string(),
+            (false, _) => {
+                "dequantize to f16 + cuBLAS above (CANDLE_LOWBIT_TILES_GEMM=0)".to_string()
+            }
+            (true, false) => format!(
+                "warpgroup-MMA GEMM (weights dequantized to f16 in registers, split-k on small \
+                 grids) up to m = {TILES_GEMM_MAX_M}, dequantize to f16 + cuBLAS above \
+                 (faster there)"
+            ),
+        }
     };
     Plan {
         matmul: format!(
@@ -513,6 +536,22 @@ mod cuda {
         stages * stage + 16 * g + 1024
     }
 
+    /// Split-k count of the large-m GEMM (`CANDLE_LOWBIT_TILES_SPLITS` overrides, 1..=8, for
+    /// measuring; never more than a quarter of the tile columns).
+    fn gemm_splits(tiles: usize, g: usize, slots: usize) -> usize {
+        static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let forced = *FORCED.get_or_init(|| {
+            std::env::var("CANDLE_LOWBIT_TILES_SPLITS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|v: &usize| (1..=8).contains(v))
+        });
+        match forced {
+            Some(s) => s.min((g / 4).max(1)),
+            None => crate::kernels::split_k(tiles, g, slots, 4),
+        }
+    }
+
     /// The large-m GEMM: `x` f16 `[m, k]` (validated by `tiles_matmul`) → y f16 `[m, n]`.
     pub(super) fn gemm(t: &Tiles, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
@@ -531,20 +570,39 @@ mod cuda {
             smem as i32,
         )
         .map_err(candle_core::Error::wrap)?;
+        // Split-k where the row blocks x token tiles leave SMs idle (one CTA per SM at 128
+        // tokens, two at 64), at least 4 tile columns per split; f32 partials in `ws`, a
+        // zeroed arrival counter per tile (the kernel leaves it zero).
+        let tiles = r.div_ceil(4) * m.div_ceil(bn);
+        let per_sm = if bn == 128 { 1 } else { 2 };
+        let splits = gemm_splits(tiles, g, sm_count(&dev)? * per_sm);
         let cfg = LaunchConfig {
-            grid_dim: (r.div_ceil(4) as u32, m.div_ceil(bn) as u32, 1),
+            grid_dim: (r.div_ceil(4) as u32, m.div_ceil(bn) as u32, splits as u32),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
+        };
+        let scratch = if splits > 1 {
+            let ws = unsafe { dev.alloc::<f32>(tiles * splits * 256 * (bn / 2))? };
+            Some((ws, dev.alloc_zeros::<u32>(tiles)?))
+        } else {
+            None
         };
         let out = unsafe { dev.alloc::<f16>(m * n)? };
         {
             let (op, _g) = dptr(&out, &stream);
+            let (wsp, cp, _g1, _g2) = match &scratch {
+                Some((ws, c)) => {
+                    let ((a, g1), (b, g2)) = (dptr(ws, &stream), dptr(c, &stream));
+                    (a, b, Some(g1), Some(g2))
+                }
+                None => (Arg::Ptr(0), Arg::Ptr(0), None, None),
+            };
             with_weights(t, &stream, |wa| {
                 let (xp, _gx) = dptr(&x, &stream);
-                let ints = [m, n, k, t.h4, group].map(|v| Arg::I32(v as i32));
+                let ints = [m, n, k, t.h4, group, splits].map(|v| Arg::I32(v as i32));
                 let mut args = vec![xp];
                 args.extend(&wa[..5]);
-                args.push(op);
+                args.extend([op, wsp, cp]);
                 args.extend(ints);
                 unsafe { launch_pdl(&func, &stream, cfg, &args) }
             })?;

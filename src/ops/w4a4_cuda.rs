@@ -65,23 +65,6 @@ fn wgmma_smem(ctas_per_sm: usize) -> u32 {
     (stages * stage + 1024) as u32
 }
 
-/// Split-k ranges for a wgmma grid of `tiles` CTAs over `nb` k blocks, `per_sm` CTAs
-/// resident per SM: where the tiles alone leave SMs idle, the count (at most 8, at least 4
-/// blocks each) that minimizes waves per unit of work, ties to fewer.
-fn wgmma_splits(tiles: usize, nb: usize, per_sm: usize) -> usize {
-    let slots = H200_SMS * per_sm;
-    if tiles >= 2 * slots {
-        return 1;
-    }
-    let cost = |s: usize| (tiles * s).div_ceil(slots) as f64 / s as f64;
-    (1..=8usize)
-        .filter(|&s| s == 1 || nb / s >= 4)
-        .fold(
-            1,
-            |best, s| if cost(s) < cost(best) - 1e-9 { s } else { best },
-        )
-}
-
 /// Run `f` with the device address of the bytes `l` describes in `s` (any dtype).
 fn with_bytes<R>(s: &CudaStorage, l: &Layout, f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
     let stream = s.device().cuda_stream();
@@ -191,7 +174,10 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
     let (tiles, splits) = match op.kernel {
         W4a4Kernel::Wgmma { ctas_per_sm } => {
             let tiles = wgmma_tiles(m, n);
-            (tiles, wgmma_splits(tiles, nb(k), ctas_per_sm))
+            (
+                tiles,
+                crate::kernels::split_k(tiles, nb(k), H200_SMS * ctas_per_sm, 4),
+            )
         }
         _ => (0, 1),
     };
