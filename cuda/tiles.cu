@@ -1076,15 +1076,15 @@ __device__ void tiles_gemm(const __half* __restrict__ x, const uint32_t* __restr
 #endif
 }
 
-#define TILES_GEMM(NAME, TWO, BN)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, BN == 128 ? 1 : 2)                                      \
+#define TILES_GEMM(NAME, TWO, BN, CTAS)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, CTAS)                                                   \
         NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
              const __half* plain, __half* y, float* ws, uint32_t* counters, int m, int n, int k, int H,        \
              int group, int splits) {                                                                         \
         tiles_gemm<TWO, BN>(x, codes, desc, sc, sup, plain, y, ws, counters, m, n, k, H, group, splits);      \
     }
 
-TILES_GEMM(tiles_gemm_two_bn64, true, 64)
-TILES_GEMM(tiles_gemm_two_bn128, true, 128)
-TILES_GEMM(tiles_gemm_plain_bn64, false, 64)
-TILES_GEMM(tiles_gemm_plain_bn128, false, 128)
+TILES_GEMM(tiles_gemm_two_bn64, true, 64, 2)
+TILES_GEMM(tiles_gemm_two_bn128, true, 128, 1)
+TILES_GEMM(tiles_gemm_plain_bn64, false, 64, 2)
+TILES_GEMM(tiles_gemm_plain_bn128, false, 128, 1)

@@ -570,11 +570,14 @@ mod cuda {
             smem as i32,
         )
         .map_err(candle_core::Error::wrap)?;
-        // Split-k where the row blocks x token tiles leave SMs idle (one CTA per SM at 128
-        // tokens, two at 64), at least 4 tile columns per split; f32 partials in `ws`, a
+        // Split-k where the row blocks x token tiles leave SMs idle (the kernel's occupancy:
+        // one CTA per SM at 128 tokens, two at 64), at least 4 tile columns per split; f32 partials in `ws`, a
         // zeroed arrival counter per tile (the kernel leaves it zero).
         let tiles = r.div_ceil(4) * m.div_ceil(bn);
-        let per_sm = if bn == 128 { 1 } else { 2 };
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(256, smem, None)
+            .map_err(candle_core::Error::wrap)?
+            .max(1) as usize;
         let splits = gemm_splits(tiles, g, sm_count(&dev)? * per_sm);
         let cfg = LaunchConfig {
             grid_dim: (r.div_ceil(4) as u32, m.div_ceil(bn) as u32, splits as u32),
