@@ -66,8 +66,13 @@
 //!   codes for the mma fragment layout; groups of 128 would halve the scale bytes (0.25 →
 //!   0.125 bits) but were not measured yet.
 //! - **4-bit share per layer** follows the budget alone (the same `h4` per 32-row block, the
-//!   tiles with the largest `Σ H_jj` error drop); per-layer shares were not searched. At
-//!   3.0 bits: 2 of 9 tiles in 576-wide rows, 6 of 24 in 1536-wide ones.
+//!   tiles with the largest `Σ H_jj` error drop). At 3.0 bits: 2 of 9 tiles in 576-wide rows,
+//!   6 of 24 in 1536-wide ones (3 and 8 without outliers). Measured against it (2026-12-03,
+//!   BENCHMARKS.md "Sharing the 4-bit budget"): spreading one budget over a block's four
+//!   projections by the same Hessian-weighted error per byte is worse (w2416-gptq 3.0 bits,
+//!   no outliers, full text on the H200: 48.95 against 43.17; per-layer errors in different
+//!   output spaces do not compare), and hand-set shares on a CPU subset gain at most 4 %
+//!   (more 4-bit tiles in `down_proj`), far from the gap to `int3-gptq`.
 //! - **Outliers**: u32 entries (column, f16 δ) sorted by row with a u32 row pointer — 32
 //!   bits per outlier plus 32 per row. w2416-gptq at 3.0 bits: 45.66 with 0.5 % outliers,
 //!   43.95 without (their bytes cost a 4-bit tile per block); round to nearest at 2.9 bits:
