@@ -104,13 +104,7 @@ fn gemm_tokens(r: usize, m: usize, sms: usize) -> usize {
         return bn;
     }
     static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = *ENV.get_or_init(|| {
-        std::env::var("CANDLE_LOWBIT_TILES_BN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|b: &usize| *b == 64 || *b == 128)
-    });
-    if let Some(bn) = forced {
+    if let Some(bn) = env_override(&ENV, "CANDLE_LOWBIT_TILES_BN", |b| b == 64 || b == 128) {
         return bn;
     }
     let rows = r.div_ceil(4);
@@ -120,6 +114,22 @@ fn gemm_tokens(r: usize, m: usize, sms: usize) -> usize {
     } else {
         64
     }
+}
+
+/// A measuring override from the environment: `name` as a number where `ok` holds, read
+/// once into `cell`.
+#[cfg(feature = "cuda")]
+fn env_override(
+    cell: &'static std::sync::OnceLock<Option<usize>>,
+    name: &str,
+    ok: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    *cell.get_or_init(|| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v| ok(v))
+    })
 }
 
 /// Widest rows of the fused kernel (its descriptors sit in shared memory; the outlier
@@ -363,13 +373,9 @@ mod cuda {
     /// tile columns (`CANDLE_LOWBIT_TILES_KS` overrides, for measuring).
     fn cluster(pairs: usize, g: usize, sms: usize, per_sm: usize) -> usize {
         static KS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        let forced = *KS.get_or_init(|| {
-            std::env::var("CANDLE_LOWBIT_TILES_KS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|v: &usize| (1..=8).contains(v))
-        });
-        if let Some(ks) = forced {
+        if let Some(ks) =
+            super::env_override(&KS, "CANDLE_LOWBIT_TILES_KS", |v| (1..=8).contains(&v))
+        {
             return ks;
         }
         let wave = per_sm.max(1) * sms / pairs.max(1);
@@ -540,13 +546,9 @@ mod cuda {
     /// measuring; never more than a quarter of the tile columns).
     fn gemm_splits(tiles: usize, g: usize, slots: usize) -> usize {
         static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        let forced = *FORCED.get_or_init(|| {
-            std::env::var("CANDLE_LOWBIT_TILES_SPLITS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|v: &usize| (1..=8).contains(v))
-        });
-        match forced {
+        match super::env_override(&FORCED, "CANDLE_LOWBIT_TILES_SPLITS", |v| {
+            (1..=8).contains(&v)
+        }) {
             Some(s) => s.min((g / 4).max(1)),
             None => crate::kernels::split_k(tiles, g, slots, 4),
         }
