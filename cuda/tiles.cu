@@ -69,15 +69,19 @@
 // cluster along x, KS 1..8, chosen by the host to fill one wave at the kernel's occupancy)
 // split the columns; block rank 0 sums the others' partial results from their shared memory
 // and writes y; the outliers are added into the partial sums first, spread over every warp
-// of the cluster (lane = row; each warp loads its first TILES_OUT_PRE entries per row before
-// its main loop, x is gathered from L1 at the end). Deterministic: fixed summation order.
+// of the cluster (lane = row; each warp loads its rows' ends before its main loop and copies
+// its first TILES_OUT_PRE entries per row to shared memory after its first column, so that no
+// register waits on them; x is gathered at the end, a few tokens per pass). Deterministic:
+// fixed summation order.
 // Measured steps on the H200 (int4 / w2416 at m = 1, µs, 11008x4096; BENCHMARKS.md): dequantize
 // + HFMA2 per code pair, weights as the B operand 22.3 / 28.3; weights as A, scales folded
 // out of the inner loop 22.9 / 27.5; then one lop3 per pair and lean address arithmetic
 // 18.5 / 23.2; then both tiles straight-line, 32-bit offsets, per-warp descriptors and
 // prefetched outliers 18.0 / 22.7 (m = 16: 19.4 / 33.3, was 31.5 / 52.7); then only the m
 // stored token rows reduced at the end, the cluster's remote loads issued at once 14.5 / 19.3
-// (4096x4096: 11.8 / 13.5 -> 7.6 / 8.9, where the end was most of the time). Still latency-
+// (4096x4096: 11.8 / 13.5 -> 7.6 / 8.9, where the end was most of the time). Then the outlier
+// entries staged after the first column (no prologue wait, no spills) and x gathered per
+// token at m = 1: w2416 19.1 -> 17.3 (m = 16: 34.0 -> 31.2). Still latency-
 // bound per warp (about 0.36 instructions issued per cycle and scheduler), not DRAM-bound; a
 // two-stage ring at six blocks per SM helps 11008x4096 and loses elsewhere and end to end.
 //
@@ -93,10 +97,14 @@ using namespace lowbit;
 
 #define TILES_NW 4
 #define TILES_STAGES 3
-// Outlier entries per row and block each warp loads before its main loop.
+// Outlier entries per row and block each warp copies to shared memory during its first column.
 #define TILES_OUT_PRE 2
-// Most tile columns (k <= 64 * TILES_MAX_G = 65536; the entries' column field is 16 bits).
-#define TILES_MAX_G 1024
+
+// A compile-time int as a value (to instantiate a generic lambda per constant).
+template <int N>
+struct TilesInt {
+    static constexpr int value = N;
+};
 
 __device__ __forceinline__ uint4 ld_stream4(const uint4* p) {
     uint4 v;
@@ -424,7 +432,10 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
             float fin[2 * 16 * 32];
         } out;
     } sh;
-    __shared__ uint32_t desc_sh[2 * TILES_MAX_G];
+    // The first TILES_OUT_PRE outlier entries of each lane's rows: [warp][block][j][lane].
+    __shared__ uint32_t opre_sh[TILES_NW][2][TILES_OUT_PRE][32];
+    // The descriptors of the two row blocks, [2][G] (dynamic: the host sizes it by k).
+    extern __shared__ uint32_t desc_sh[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = (k + 63) / 64, R = n / 32;
     const int rank = blockIdx.x % ks, pair = blockIdx.x / ks;
@@ -478,25 +489,36 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
     }
     // Outliers: lane = row; warp w of cluster rank c takes the row's entries c * NW + w,
     // + NW * KS, ... (independent loads spread over the cluster, a fixed split: the sums
-    // stay deterministic). The first TILES_OUT_PRE of them are loaded here, so that their
-    // latency (row ends, then entries) hides behind the columns; x is gathered at the end.
+    // stay deterministic). The row ends are loaded here and first used after the warp's
+    // first column, where its first TILES_OUT_PRE entries are copied to shared memory
+    // (cp.async: no register waits on them); x is gathered at the end.
     int o_beg[2] = {0, 0}, o_end[2] = {0, 0};
-    uint32_t o_pre[2][TILES_OUT_PRE];
+    if (E > 0) {
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-#pragma unroll
-        for (int j = 0; j < TILES_OUT_PRE; ++j) o_pre[b][j] = 0;
-        if (E == 0 || (b == 1 && !valid1)) continue;
-        const int row = rbs[b] * 32 + lane;
-        o_beg[b] = (lane == 0 ? 0 : (int)__ldg(row_end + row - 1)) + rank * TILES_NW + warp;
-        o_end[b] = (int)__ldg(row_end + row);
-        const uint32_t* ent = entries + (size_t)rbs[b] * E;
-#pragma unroll
-        for (int j = 0; j < TILES_OUT_PRE; ++j) {
-            const int e = o_beg[b] + j * TILES_NW * ks;
-            if (e < o_end[b]) o_pre[b][j] = __ldg(ent + e);
+        for (int b = 0; b < 2; ++b) {
+            if (b == 1 && !valid1) continue;
+            const int row = rbs[b] * 32 + lane;
+            o_beg[b] = lane == 0 ? 0 : (int)__ldg(row_end + row - 1);
+            o_end[b] = (int)__ldg(row_end + row);
         }
     }
+    const int o_step = TILES_NW * ks;
+    auto prefetch_outliers = [&]() {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            o_beg[b] += rank * TILES_NW + warp;
+            const uint32_t* ent = entries + (size_t)rbs[b] * E;
+#pragma unroll
+            for (int j = 0; j < TILES_OUT_PRE; ++j) {
+                const int e = o_beg[b] + j * o_step;
+                const bool ok = e < o_end[b];
+                // src-size 0 where the row has no such entry: the slot reads as 0 (no outlier).
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(
+                                 (uint32_t)__cvta_generic_to_shared(&opre_sh[warp][b][j][lane])),
+                             "l"(ok ? ent + e : entries), "r"(ok ? 4 : 0));
+            }
+        }
+    };
     pdl_wait();
     const uint32_t* xr[NT];
 #pragma unroll
@@ -523,6 +545,7 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
             f[b].s = ring[st].scales[b][lane];
         }
         tile_pair<TWO, NT>(f, b_cur, sx, acc, lane);
+        if (E > 0 && g == first) prefetch_outliers();
         if (gn < G) {
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc)
@@ -535,6 +558,8 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
         st = st == TILES_STAGES - 1 ? 0 : st + 1;
         si = si == TILES_STAGES - 1 ? 0 : si + 1;
     }
+    if (E > 0 && first >= G) prefetch_outliers();  // a warp without columns
+    cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // every ring is drained before its memory holds partial sums
 
@@ -554,30 +579,42 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
                     if (tok < m) red[(b * 16 + tok) * 32 + r] = acc[b][mb][nt][i];
                 }
     __syncwarp();
-    // Outliers (entries fetched before the main loop, see there).
+    // Outliers (see the prologue): the lane's first entries from shared memory, the rest
+    // from global memory; x gathered for GT tokens per pass (m = 1: one token, no
+    // predicated-off loads; measured faster than four per pass there, slower at m = 16).
     if (E > 0) {
+        auto outliers = [&](auto gt) {
+            constexpr int GT = decltype(gt)::value;
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-            if (b == 1 && !valid1) continue;
-            const uint32_t* ent = entries + (size_t)rbs[b] * E;
-            float part[MM];
+            for (int b = 0; b < 2; ++b) {
+                if (b == 1 && !valid1) continue;
+                const uint32_t* ent = entries + (size_t)rbs[b] * E;
+                uint32_t pre[TILES_OUT_PRE];
 #pragma unroll
-            for (int i = 0; i < MM; ++i) part[i] = 0.f;
-            auto add = [&](uint32_t v) {
-                const int col = (int)(v & 0xffffu);
-                const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+                for (int j = 0; j < TILES_OUT_PRE; ++j) pre[j] = opre_sh[warp][b][j][lane];
+                for (int i0 = 0; i0 < m; i0 += GT) {
+                    float part[GT];
 #pragma unroll
-                for (int i = 0; i < MM; ++i)
-                    if (i < m) part[i] += dlt * __half2float(x[(size_t)i * k + col]);
-            };
+                    for (int u = 0; u < GT; ++u) part[u] = 0.f;
+                    auto add = [&](uint32_t v) {
+                        const int col = (int)(v & 0xffffu);
+                        const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
 #pragma unroll
-            for (int j = 0; j < TILES_OUT_PRE; ++j)
-                if (o_beg[b] + j * TILES_NW * ks < o_end[b]) add(o_pre[b][j]);
-            for (int e = o_beg[b] + TILES_OUT_PRE * TILES_NW * ks; e < o_end[b]; e += TILES_NW * ks) add(__ldg(ent + e));
+                        for (int u = 0; u < GT; ++u)
+                            if (i0 + u < m) part[u] += dlt * __half2float(x[(size_t)(i0 + u) * k + col]);
+                    };
 #pragma unroll
-            for (int i = 0; i < MM; ++i)
-                if (i < m) red[(b * 16 + i) * 32 + lane] += part[i];
-        }
+                    for (int j = 0; j < TILES_OUT_PRE; ++j)
+                        if (o_beg[b] + j * o_step < o_end[b]) add(pre[j]);
+                    for (int e = o_beg[b] + TILES_OUT_PRE * o_step; e < o_end[b]; e += o_step) add(__ldg(ent + e));
+#pragma unroll
+                    for (int u = 0; u < GT; ++u)
+                        if (i0 + u < m) red[(b * 16 + i0 + u) * 32 + lane] += part[u];
+                }
+            }
+        };
+        if (m == 1) outliers(TilesInt<1>{});
+        else outliers(TilesInt<MM == 8 ? 4 : 8>{});
     }
     __syncthreads();
     // Entry u of the 2 m 32 stored ones: (b, token i, row r) at red index (16 b + i) 32 + r.

@@ -215,6 +215,8 @@ fn meta_row(ctx: &Ctx, args: &Args) -> Row {
         .text("crate", env!("CARGO_PKG_VERSION"))
         .num("iters", ctx.iters as f64)
         .text("quick", args.quick.to_string())
+        .num("w2416_bits", ctx.quant.w2416.bits)
+        .num("w2416_outliers", ctx.quant.w2416.outliers)
         .opt("mem_used_GiB", util::mem_used(&ctx.dev).map(util::gib));
     match &ctx.ceiling.verified {
         Ok(()) => row,

@@ -187,7 +187,7 @@ pub fn run_model(ctx: &mut Ctx, loaded: candle_lowbit::loader::Loaded, load_s: f
 
 pub fn run(ctx: &mut Ctx, section: Section) -> Result<()> {
     let p = plan(section, ctx.quick);
-    let mut protos = Prototypes::new(&ctx.dev);
+    let mut protos = Prototypes::new(&ctx.dev, &ctx.quant);
     let mut base = Baseline::default();
     let specs = match section {
         // The formats whose codec draws random weights directly; dense cannot fit.

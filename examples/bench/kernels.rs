@@ -174,7 +174,7 @@ fn row_name(n: usize, k: usize, i: &Impl, m: usize) -> String {
 fn run_shape(ctx: &mut Ctx, n: usize, k: usize, ms: &[usize], wanted: &[Impl]) -> Result<()> {
     let dev = ctx.dev.clone();
     let w = randn(&[n, k], 1.0 / (k as f64).sqrt(), ctx.dtype, &dev)?;
-    let mut protos = Prototypes::new(&dev);
+    let mut protos = Prototypes::new(&dev, &ctx.quant);
     protos.set_dense(w.to_dtype(DType::F32)?)?;
     let xs = ms
         .iter()

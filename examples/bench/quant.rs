@@ -29,15 +29,18 @@ pub struct Prototypes {
     /// Draw prototypes directly in their format (random codes and scales, where the format
     /// offers it: models too large to quantize here) instead of quantizing a dense one.
     pub direct: bool,
+    /// The quantizer's settings (`--bits`, `--outliers`, ...).
+    opts: candle_lowbit::formats::QuantOptions,
 }
 
 impl Prototypes {
-    pub fn new(dev: &Device) -> Self {
+    pub fn new(dev: &Device, opts: &candle_lowbit::formats::QuantOptions) -> Self {
         Self {
             dev: dev.clone(),
             dense: HashMap::new(),
             layers: HashMap::new(),
             direct: false,
+            opts: opts.clone(),
         }
     }
 
@@ -70,21 +73,21 @@ impl Prototypes {
             return Ok(l.clone());
         }
         let t0 = std::time::Instant::now();
-        let opts = candle_lowbit::formats::QuantOptions::default();
         // Formats that need calibration are drawn at random here (speed rows only).
         let drawn = match self.direct || format.needs_calibration() {
-            true => {
-                format
-                    .spec()
-                    .codec
-                    .random(format, (n, k), &opts, (n * 31 + k) as u64, &self.dev)
-            }
+            true => format.spec().codec.random(
+                format,
+                (n, k),
+                &self.opts,
+                (n * 31 + k) as u64,
+                &self.dev,
+            ),
             false => None,
         };
         let l = match drawn {
             Some(w) => QLinear::new(w?, None),
             None => QLinear::from_weight(self.dense(n, k, dtype)?, None)?
-                .quantize(format)
+                .quantize_with(format, None, &self.opts)
                 .with_context(|| format!("quantizing [{n}, {k}] to {format}"))?,
         };
         if format != WeightFormat::Dense {

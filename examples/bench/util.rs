@@ -19,6 +19,8 @@ pub struct Ctx {
     pub ms: Vec<usize>,
     pub report: Report,
     pub ceiling: crate::ceiling::Ceiling,
+    /// Quantizer settings of the rows built in a format (`--bits`, `--outliers`, ...).
+    pub quant: candle_lowbit::formats::QuantOptions,
     deadline: Option<Instant>,
 }
 
@@ -50,6 +52,7 @@ impl Ctx {
             ms: args.m.clone(),
             report: Report::new(args.json),
             ceiling,
+            quant: args.calib.quant_options(),
             deadline,
         })
     }

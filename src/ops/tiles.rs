@@ -383,22 +383,23 @@ mod cuda {
         wave.min(columns).clamp(1, 8)
     }
 
-    /// Resident blocks per SM of a `tiles_mm` variant (its registers and shared memory),
-    /// asked of the driver once per kernel name (one GPU model per process assumed; another
-    /// GPU gets the first one's figure, which only changes the cluster size chosen).
-    fn occupancy(name: &str, func: &CudaFunction) -> Result<usize> {
+    /// Resident blocks per SM of a `tiles_mm` variant (its registers and shared memory, `smem`
+    /// bytes of it dynamic), asked of the driver once per kernel name and size (one GPU model
+    /// per process assumed; another GPU gets the first one's figure, which only changes the
+    /// cluster size chosen).
+    fn occupancy(name: &str, func: &CudaFunction, smem: usize) -> Result<usize> {
         use std::collections::HashMap;
         use std::sync::Mutex;
-        static CACHE: Mutex<Option<HashMap<String, usize>>> = Mutex::new(None);
+        static CACHE: Mutex<Option<HashMap<(String, usize), usize>>> = Mutex::new(None);
         let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
         let map = cache.get_or_insert_with(HashMap::new);
-        if let Some(&n) = map.get(name) {
+        if let Some(&n) = map.get(&(name.to_string(), smem)) {
             return Ok(n);
         }
         let n = func
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
             .map_err(candle_core::Error::wrap)? as usize;
-        map.insert(name.to_string(), n);
+        map.insert((name.to_string(), smem), n);
         Ok(n)
     }
 
@@ -491,13 +492,15 @@ mod cuda {
             if m <= 8 { 8 } else { 16 }
         );
         let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
-        let per_sm = occupancy(&name, &func)?;
+        // Dynamic shared memory: the two row blocks' tile descriptors, u32 [2][g].
+        let smem = 2 * g * 4;
+        let per_sm = occupancy(&name, &func, smem)?;
         let ks = cluster(pairs, g, sm_count(&dev)?, per_sm);
         let e = t.outliers.as_ref().map_or(0, |o| o.per_block);
         let cfg = LaunchConfig {
             grid_dim: ((pairs * ks) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem as u32,
         };
         let launch = |out: Arg| -> Result<()> {
             with_weights(t, &stream, |wa| {
