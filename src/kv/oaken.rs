@@ -28,7 +28,8 @@
 //!   quantiles. Measured (default model, WikiText-2, ctx 512 / 2048, H200): perplexity
 //!   26.23 / 19.04 after RoPE against 26.36 / 19.05 before (f16 cache 25.51 / 18.47; kv4
 //!   28.35 / 20.36 after, 28.42 / 20.48 before). Fractions 0.10 / 0.10 instead of the
-//!   default 0.04 / 0.06: 26.65 / 19.31.
+//!   default 0.04 / 0.06: 26.65 / 19.31; 0.06 / 0.02: 26.08 / 18.90; 0.08 / 0.04: 26.03 /
+//!   18.85, the best measured (+2.0 % / +2.1 %; not yet the default: BENCHMARKS.md).
 //! - The decode attention reads oaken rows on kv4's tensor-core kernel (head dims 64 and
 //!   128): the dense codes as middle values, the middle group's jump over the inner
 //!   interval as a second mma over the masks `code >= zc`, and the sparse entries as
