@@ -111,6 +111,11 @@ __device__ __forceinline__ void cp_async4(uint32_t sa, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sa), "l"(gmem));
 }
 
+// 4 bytes to shared address `sa`, the first `src_bytes` (0 or 4) from `gmem`, the rest zero.
+__device__ __forceinline__ void cp_async4_zfill(uint32_t sa, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sa), "l"(gmem), "r"(src_bytes));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

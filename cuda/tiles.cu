@@ -513,9 +513,8 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
                 const int e = o_beg[b] + j * o_step;
                 const bool ok = e < o_end[b];
                 // src-size 0 where the row has no such entry: the slot reads as 0 (no outlier).
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(
-                                 (uint32_t)__cvta_generic_to_shared(&opre_sh[warp][b][j][lane])),
-                             "l"(ok ? ent + e : entries), "r"(ok ? 4 : 0));
+                cp_async4_zfill((uint32_t)__cvta_generic_to_shared(&opre_sh[warp][b][j][lane]),
+                                ok ? ent + e : entries, ok ? 4 : 0);
             }
         }
     };

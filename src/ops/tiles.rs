@@ -390,16 +390,16 @@ mod cuda {
     fn occupancy(name: &str, func: &CudaFunction, smem: usize) -> Result<usize> {
         use std::collections::HashMap;
         use std::sync::Mutex;
-        static CACHE: Mutex<Option<HashMap<(String, usize), usize>>> = Mutex::new(None);
+        static CACHE: Mutex<Option<HashMap<String, HashMap<usize, usize>>>> = Mutex::new(None);
         let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
         let map = cache.get_or_insert_with(HashMap::new);
-        if let Some(&n) = map.get(&(name.to_string(), smem)) {
+        if let Some(&n) = map.get(name).and_then(|by_smem| by_smem.get(&smem)) {
             return Ok(n);
         }
         let n = func
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
             .map_err(candle_core::Error::wrap)? as usize;
-        map.insert((name.to_string(), smem), n);
+        map.entry(name.to_string()).or_default().insert(smem, n);
         Ok(n)
     }
 
