@@ -145,12 +145,13 @@ pub struct CalibArgs {
     pub w4a4_gptq: bool,
 
     /// oaken KV cache: fraction of the values in the outer group (thresholds at the
-    /// outer/2 and 1 - outer/2 quantiles).
-    #[arg(long, default_value_t = 0.04)]
+    /// outer/2 and 1 - outer/2 quantiles; the paper's is 0.04).
+    #[arg(long, default_value_t = 0.08)]
     pub oaken_outer: f64,
 
-    /// oaken KV cache: fraction of the values in the inner group (around the median).
-    #[arg(long, default_value_t = 0.06)]
+    /// oaken KV cache: fraction of the values in the inner group (around the median; the
+    /// paper's is 0.06).
+    #[arg(long, default_value_t = 0.04)]
     pub oaken_inner: f64,
 }
 
