@@ -71,7 +71,8 @@
 // and writes y; the outliers are added into the partial sums first, spread over every warp
 // of the cluster (lane = row; each warp loads its rows' ends before its main loop and copies
 // its first TILES_OUT_PRE entries per row to shared memory after its first column, so that no
-// register waits on them; x is gathered at the end, a few tokens per pass). Deterministic:
+// register waits on them; their activations are read at the end: from x at m = 1, from xt
+// above, one column's tokens contiguous). Deterministic:
 // fixed summation order.
 // Measured steps on the H200 (int4 / w2416 at m = 1, µs, 11008x4096; BENCHMARKS.md): dequantize
 // + HFMA2 per code pair, weights as the B operand 22.3 / 28.3; weights as A, scales folded
@@ -87,6 +88,7 @@
 //
 //   x  f16 [m, k], m <= 16 (MM = 8: m <= 8, one 8-token n-block; MM = 16: two; token rows past m
 //      read row m - 1 and their results are never stored)
+//   xt f16 [k][MM] (m > 1 with outliers; else unused): x transposed by tiles_xt, tokens past m 0
 //   y  EPI 0: f16 [m, n]; EPI 1: f32 [m, n]; EPI 2: f16 [m, n / 2] = silu(gate) * up, rounded
 //      as the unfused pair (gate and up to f16, silu(gate) to f16, the product to f16).
 // Weights are read before pdl_wait (no kernel writes them); activations after.
@@ -421,8 +423,9 @@ template <bool TWO, int EPI, int MM>
 __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restrict__ codes,
                          const uint32_t* __restrict__ desc, const uint8_t* __restrict__ sc,
                          const __half* __restrict__ sup, const __half* __restrict__ plain,
-                         const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end, void* y_out,
-                         int m, int n, int k, int H, int E, int group, int ks) {
+                         const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end,
+                         const __half* __restrict__ xt, void* y_out, int m, int n, int k, int H, int E, int group,
+                         int ks) {
     pdl_trigger();
     // The rings while the columns stream; the partial sums after (same memory).
     __shared__ union Smem {
@@ -579,41 +582,51 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
                 }
     __syncwarp();
     // Outliers (see the prologue): the lane's first entries from shared memory, the rest
-    // from global memory; x gathered for GT tokens per pass (m = 1: one token, no
-    // predicated-off loads; measured faster than four per pass there, slower at m = 16).
+    // from global memory. At m = 1 the entry's activation is one load from x; above, all
+    // MM tokens' activations of its column are one or two 16-byte loads from xt (x
+    // transposed by tiles_xt: gathering them from x's rows took 16 sectors per entry and a
+    // third of the kernel's time at m = 16).
     if (E > 0) {
-        auto outliers = [&](auto gt) {
-            constexpr int GT = decltype(gt)::value;
+        auto outliers = [&](auto tokens) {
+            constexpr int T = decltype(tokens)::value;  // 1: from x (m = 1); MM: from xt
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 if (b == 1 && !valid1) continue;
                 const uint32_t* ent = entries + (size_t)rbs[b] * E;
-                uint32_t pre[TILES_OUT_PRE];
+                float part[T];
 #pragma unroll
-                for (int j = 0; j < TILES_OUT_PRE; ++j) pre[j] = opre_sh[warp][b][j][lane];
-                for (int i0 = 0; i0 < m; i0 += GT) {
-                    float part[GT];
+                for (int u = 0; u < T; ++u) part[u] = 0.f;
+                auto add = [&](uint32_t v) {
+                    const int col = (int)(v & 0xffffu);
+                    const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+                    if (T == 1) {
+                        part[0] += dlt * __half2float(x[col]);
+                        return;
+                    }
+                    const uint4* p = reinterpret_cast<const uint4*>(xt + (size_t)col * T);
 #pragma unroll
-                    for (int u = 0; u < GT; ++u) part[u] = 0.f;
-                    auto add = [&](uint32_t v) {
-                        const int col = (int)(v & 0xffffu);
-                        const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+                    for (int q = 0; q < T / 8; ++q) {
+                        const uint4 w = __ldg(p + q);
+                        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-                        for (int u = 0; u < GT; ++u)
-                            if (i0 + u < m) part[u] += dlt * __half2float(x[(size_t)(i0 + u) * k + col]);
-                    };
+                        for (int h = 0; h < 4; ++h) {
+                            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[h]));
+                            part[(8 * q + 2 * h) % T] += dlt * f.x;
+                            part[(8 * q + 2 * h + 1) % T] += dlt * f.y;
+                        }
+                    }
+                };
 #pragma unroll
-                    for (int j = 0; j < TILES_OUT_PRE; ++j)
-                        if (o_beg[b] + j * o_step < o_end[b]) add(pre[j]);
-                    for (int e = o_beg[b] + TILES_OUT_PRE * o_step; e < o_end[b]; e += o_step) add(__ldg(ent + e));
+                for (int j = 0; j < TILES_OUT_PRE; ++j)
+                    if (o_beg[b] + j * o_step < o_end[b]) add(opre_sh[warp][b][j][lane]);
+                for (int e = o_beg[b] + TILES_OUT_PRE * o_step; e < o_end[b]; e += o_step) add(__ldg(ent + e));
 #pragma unroll
-                    for (int u = 0; u < GT; ++u)
-                        if (i0 + u < m) red[(b * 16 + i0 + u) * 32 + lane] += part[u];
-                }
+                for (int u = 0; u < T; ++u)
+                    if (u < m) red[(b * 16 + u) * 32 + lane] += part[u];
             }
         };
         if (m == 1) outliers(TilesInt<1>{});
-        else outliers(TilesInt<MM == 8 ? 4 : 8>{});
+        else outliers(TilesInt<MM>{});
     }
     __syncthreads();
     // Entry u of the 2 m 32 stored ones: (b, token i, row r) at red index (16 b + i) 32 + r.
@@ -673,9 +686,10 @@ __device__ void tiles_mm(const __half* __restrict__ x, const uint32_t* __restric
 #define TILES_MM(NAME, TWO, EPI, MM)                                                                          \
     extern "C" __global__ void __launch_bounds__(TILES_NW * 32, MM == 8 ? 5 : 3)                             \
         NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
-             const __half* plain, const uint32_t* entries, const uint32_t* row_end, void* y, int m, int n, int k, \
-             int H, int E, int group, int ks) {                                                               \
-        tiles_mm<TWO, EPI, MM>(x, codes, desc, sc, sup, plain, entries, row_end, y, m, n, k, H, E, group, ks); \
+             const __half* plain, const uint32_t* entries, const uint32_t* row_end, const __half* xt, void* y,    \
+             int m, int n, int k, int H, int E, int group, int ks) {                                          \
+        tiles_mm<TWO, EPI, MM>(x, codes, desc, sc, sup, plain, entries, row_end, xt, y, m, n, k, H, E, group,  \
+                               ks);                                                                           \
     }
 
 TILES_MM(tiles_mm_two_f16_m8, true, 0, 8)
@@ -690,6 +704,72 @@ TILES_MM(tiles_mm_plain_f32_m8, false, 1, 8)
 TILES_MM(tiles_mm_plain_f32_m16, false, 1, 16)
 TILES_MM(tiles_mm_plain_silu_m8, false, 2, 8)
 TILES_MM(tiles_mm_plain_silu_m16, false, 2, 16)
+
+// x f16 [m, k] -> xt f16 [k][mt] (mt a multiple of 8 and >= m; tokens past m are zeros):
+// each column's activations contiguous, for the outliers at m > 1 (tiles_mm's end phase and
+// tiles_outliers_add). Thread i: column i / (mt / 8), tokens 8 (i % (mt / 8)) .. + 7 (the
+// reads of one token row coalesce across the warp, the writes are 16 bytes each).
+extern "C" __global__ void tiles_xt(const __half* __restrict__ x, __half* __restrict__ xt, int m, int k, int mt) {
+    pdl_trigger();
+    pdl_wait();
+    const int chunks = mt / 8;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)k * chunks) return;
+    const int c = (int)(i / chunks), t0 = (int)(i % chunks) * 8;
+    uint32_t v[4];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        const int t = t0 + 2 * h;
+        const __half a = t < m ? x[(size_t)t * k + c] : __ushort_as_half(0);
+        const __half b = t + 1 < m ? x[(size_t)(t + 1) * k + c] : __ushort_as_half(0);
+        v[h] = h2_bits(__halves2half2(a, b));
+    }
+    *reinterpret_cast<uint4*>(xt + (size_t)c * mt + t0) = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// y f16 [m, n] += the sparse outliers' products, after tiles_gemm (m > 16). Block: row block
+// blockIdx.x (lane = row), tokens 8 blockIdx.y .. + 7; warp s takes the row's entries s,
+// s + 8, ... (each entry's 8 activations one 16-byte load from xt f16 [k][mt]); the eight
+// partial sums are added in warp order (deterministic). y is rounded twice (the GEMM's f16
+// sum, then with the outliers added in f32), within the format's tolerance of the reference.
+#define TILES_ADD_SPLITS 8
+extern "C" __global__ void __launch_bounds__(32 * TILES_ADD_SPLITS)
+    tiles_outliers_add(const __half* __restrict__ xt, const uint32_t* __restrict__ entries,
+                       const uint32_t* __restrict__ row_end, __half* __restrict__ y, int m, int n, int E, int mt) {
+    __shared__ float part_sh[TILES_ADD_SPLITS][8][32];
+    pdl_trigger();
+    const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
+    const int rb = blockIdx.x, row = rb * 32 + lane, t0 = blockIdx.y * 8;
+    // Entries and row ends are weights (no kernel writes them): read before pdl_wait.
+    const int beg = lane == 0 ? 0 : (int)__ldg(row_end + row - 1), end = (int)__ldg(row_end + row);
+    const uint32_t* ent = entries + (size_t)rb * E;
+    pdl_wait();
+    float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+    for (int e = beg + s; e < end; e += TILES_ADD_SPLITS) {
+        const uint32_t v = __ldg(ent + e);
+        const float dlt = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(xt + (size_t)(v & 0xffffu) * mt + t0));
+        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[h]));
+            part[2 * h] += dlt * f.x;
+            part[2 * h + 1] += dlt * f.y;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) part_sh[s][u][lane] = part[u];
+    __syncthreads();
+    // Warp u adds token t0 + u over the splits in order.
+    const int u = s;
+    if (u >= 8 || t0 + u >= m) return;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < TILES_ADD_SPLITS; ++j) sum += part_sh[j][u][lane];
+    const size_t o = (size_t)(t0 + u) * n + row;
+    y[o] = __float2half_rn(__half2float(y[o]) + sum);
+}
 
 // An f16 pair (bits v) stored as two T at dst.
 template <typename T>
@@ -833,8 +913,8 @@ TILES_DEQ(bf16, __nv_bfloat16)
 // f16(q * scale + zero) as the dequantize kernel rounds it (deq2), so the GEMM is the f16
 // product of the dequantized weight with f32 accumulation. The next stage is dequantized
 // while the current stage's wgmmas run (two fragment sets), the copies run STAGES - 1 ahead.
-// Layers with sparse outliers do not take this kernel (the host's rule): gathering their
-// activation columns in the epilogue made it 5x slower (measured, BENCHMARKS.md).
+// Sparse outliers are added by tiles_outliers_add after it, from x transposed by tiles_xt
+// (gathering the activation columns in this kernel's epilogue made it 5x slower, measured).
 template <int BN>
 struct TgTile {
     static constexpr int X = BN * 128;

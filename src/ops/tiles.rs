@@ -4,11 +4,13 @@
 //! On the GPU with f16 activations and `m <=` [`TILES_MAX_M`] rows, one launch: codes
 //! turned into f16 `1024 + q` in registers for the tensor cores (weights as the mma's A
 //! operand), each group's scale and zero applied once per row and tile, outliers added in
-//! its epilogue (and, for the MLP's gate/up projection, SiLU·mul). For `16 < m <=`
-//! [`TILES_GEMM_MAX_M`] on sm_90a builds, layers without outliers: a warpgroup-MMA GEMM
-//! (`tiles_gemm`: the weights dequantized to f16 in registers as wgmma's A operand, the
-//! activations streamed through shared memory, split-k where the grid would leave SMs
-//! idle). Otherwise the weight is dequantized and candle's matmul (cuBLAS) runs, which is
+//! its epilogue (and, for the MLP's gate/up projection, SiLU·mul); above one row the
+//! outliers read x transposed by a small kernel before it (`tiles_xt`). For `16 < m <=`
+//! [`TILES_GEMM_MAX_M`] on sm_90a builds: a warpgroup-MMA GEMM (`tiles_gemm`: the weights
+//! dequantized to f16 in registers as wgmma's A operand, the activations streamed through
+//! shared memory, split-k where the grid would leave SMs idle), then, for layers with
+//! sparse outliers, their products added onto y from x transposed (`tiles_outliers_add`).
+//! Otherwise the weight is dequantized and candle's matmul (cuBLAS) runs, which is
 //! faster at prefill sizes (`CANDLE_LOWBIT_TILES_GEMM=1` takes the GEMM at every `m > 16`,
 //! `=0` at none). The CPU runs the reference ([`Tiles::dequantize_ref`] then a matmul in f32).
 
@@ -44,8 +46,8 @@ fn kernel_ok(t: &Tiles, x: &Tensor) -> bool {
 }
 
 /// Whether the large-m GEMM takes `x`: GPU, f16, `m >` [`TILES_MAX_M`] within
-/// [`gemm_wanted`], `k` the weight's and a multiple of 8 (16-byte rows), no sparse outliers
-/// (the kernel has no cheap way to gather their activation columns), an sm_90a build.
+/// [`gemm_wanted`], `k` the weight's and a multiple of 8 (16-byte rows), an sm_90a build
+/// (sparse outliers are added by a second kernel from x transposed).
 fn gemm_ok(t: &Tiles, x: &Tensor) -> bool {
     let Ok((m, k)) = x.dims2() else { return false };
     on_cuda(t)
@@ -54,7 +56,6 @@ fn gemm_ok(t: &Tiles, x: &Tensor) -> bool {
         && k == t.k
         && k.is_multiple_of(8)
         && k <= TILES_MAX_K
-        && t.outliers.as_ref().is_none_or(|o| o.per_block == 0)
         && crate::kernels::wgmma_built()
         && gemm_wanted(m)
 }
@@ -158,9 +159,6 @@ pub fn tiles_plan(t: &Tiles, format: WeightFormat) -> Plan {
         "dequantize to f16 + cuBLAS above (no sm_90a build: no warpgroup-MMA GEMM)".to_string()
     } else if !t.k.is_multiple_of(8) {
         "dequantize to f16 + cuBLAS above (k not a multiple of 8)".to_string()
-    } else if t.outliers.as_ref().is_some_and(|o| o.per_block > 0) {
-        "dequantize to f16 + cuBLAS above (sparse outliers: the warpgroup-MMA GEMM takes none)"
-            .to_string()
     } else {
         let (lo, hi) = (gemm_wanted(TILES_MAX_M + 1), gemm_wanted(usize::MAX));
         match (lo, hi) {
@@ -359,8 +357,10 @@ mod cuda {
         contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, sm_count, with_view, Arg,
     };
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
-    use candle_core::cuda_backend::{CudaDType, CudaStorage};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, SyncOnDrop,
+    };
+    use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
     use candle_core::{DType, Layout, Result, Shape, Tensor};
     use half::{bf16, f16};
 
@@ -465,6 +465,50 @@ mod cuda {
         })
     }
 
+    /// The device address of an optional buffer (0 where absent) and its guard.
+    fn opt_ptr<'a>(
+        b: Option<&'a CudaSlice<f16>>,
+        stream: &'a Stream,
+    ) -> (Arg, Option<SyncOnDrop<'a>>) {
+        match b {
+            Some(b) => {
+                let (p, g) = dptr(b, stream);
+                (p, Some(g))
+            }
+            None => (Arg::Ptr(0), None),
+        }
+    }
+
+    /// `x` f16 `[m, k]` transposed to f16 `[k][mt]` (`tiles_xt`; `mt` a multiple of 8 and
+    /// `>= m`, tokens past m zero): each column's activations contiguous, for the outliers.
+    fn transpose_x(
+        dev: &CudaDevice,
+        stream: &Stream,
+        x: &CudaView<'_, f16>,
+        m: usize,
+        k: usize,
+        mt: usize,
+    ) -> Result<CudaSlice<f16>> {
+        if !mt.is_multiple_of(8) || mt < m {
+            candle_core::bail!(
+                "tiles_xt: {mt} token slots for {m} tokens (want a multiple of 8, >= m)"
+            )
+        }
+        let func = dev.get_or_load_custom_func("tiles_xt", "tiles", ptx::TILES)?;
+        let xt = unsafe { dev.alloc::<f16>(k * mt)? };
+        let cfg = LaunchConfig {
+            grid_dim: ((k * mt / 8).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let ((xp, _g1), (tp, _g2)) = (dptr(x, stream), dptr(&xt, stream));
+            let ints = [m, k, mt].map(|v| Arg::I32(v as i32));
+            unsafe { launch_pdl(&func, stream, cfg, &[xp, tp, ints[0], ints[1], ints[2]])? };
+        }
+        Ok(xt)
+    }
+
     pub(super) fn matmul(
         t: &Tiles,
         epi: Epi,
@@ -497,6 +541,19 @@ mod cuda {
         let per_sm = occupancy(&name, &func, smem)?;
         let ks = cluster(pairs, g, sm_count(&dev)?, per_sm);
         let e = t.outliers.as_ref().map_or(0, |o| o.per_block);
+        // Above one token the outliers read their activations from x transposed.
+        let xt = if e > 0 && m > 1 {
+            Some(transpose_x(
+                &dev,
+                &stream,
+                &x,
+                m,
+                k,
+                if m <= 8 { 8 } else { 16 },
+            )?)
+        } else {
+            None
+        };
         let cfg = LaunchConfig {
             grid_dim: ((pairs * ks) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -505,10 +562,11 @@ mod cuda {
         let launch = |out: Arg| -> Result<()> {
             with_weights(t, &stream, |wa| {
                 let (xp, _gx) = dptr(&x, &stream);
+                let (xtp, _gt) = opt_ptr(xt.as_ref(), &stream);
                 let ints = [m, n, k, t.h4, e, group, ks].map(|v| Arg::I32(v as i32));
                 let mut args = vec![xp];
                 args.extend(wa);
-                args.push(out);
+                args.extend([xtp, out]);
                 args.extend(ints);
                 unsafe {
                     if ks > 1 {
@@ -595,6 +653,14 @@ mod cuda {
         } else {
             None
         };
+        // Sparse outliers: x transposed before the GEMM, their products added onto y after it.
+        let e = t.outliers.as_ref().map_or(0, |o| o.per_block);
+        let mt = m.div_ceil(8) * 8;
+        let xt = if e > 0 {
+            Some(transpose_x(&dev, &stream, &x, m, k, mt)?)
+        } else {
+            None
+        };
         let out = unsafe { dev.alloc::<f16>(m * n)? };
         {
             let (op, _g) = dptr(&out, &stream);
@@ -614,6 +680,21 @@ mod cuda {
                 args.extend(ints);
                 unsafe { launch_pdl(&func, &stream, cfg, &args) }
             })?;
+            if let Some(xt) = &xt {
+                let add = dev.get_or_load_custom_func("tiles_outliers_add", "tiles", ptx::TILES)?;
+                // TILES_ADD_SPLITS (8) warps per row block and 8 tokens.
+                let cfg = LaunchConfig {
+                    grid_dim: (r as u32, (mt / 8) as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                with_weights(t, &stream, |wa| {
+                    let (tp, _gt) = dptr(xt, &stream);
+                    let ints = [m, n, e, mt].map(|v| Arg::I32(v as i32));
+                    let args = [tp, wa[5], wa[6], op, ints[0], ints[1], ints[2], ints[3]];
+                    unsafe { launch_pdl(&add, &stream, cfg, &args) }
+                })?;
+            }
         }
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
