@@ -55,6 +55,8 @@
 //                  rate on sm_90).
 //   w4a4_wgmma_T_x1, _x2  large m on sm_90a: warpgroup MMA, 128 weight rows x 64 tokens,
 //                  split-k where the grid is small (see "Warpgroup GEMM" below).
+//   w4a4_tma_T     the largest m on sm_90a: TMA loads, a producer warp and two consumer
+//                  warpgroups, 128 x 128 tiles (see "Warp-specialized GEMM" below).
 // Launched with programmatic dependent launch (pdl_wait before reading what an earlier
 // kernel wrote).
 #include "common.cuh"
@@ -925,6 +927,268 @@ __device__ void w4a4_wgmma(const GemmParams& p) {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------
+// Warp-specialized GEMM (large m, sm_90a): TMA loads into a ring of stages tracked by
+// mbarriers, a producer warp, and two consumer warpgroups that take turns on the tensor cores.
+//
+// CTA: 288 threads: warps 0..3 and 4..7 are consumer warpgroups 0 and 1 (weight rows 0..63
+// and 64..127 of the CTA's 128), warp 8 the producer; 128 weight rows x 128 tokens per CTA.
+// Stage (TMA_STAGE bytes, 1 KiB aligned for the swizzle):
+//   +0      activation codes [128 tokens][128 B], 128-byte swizzle (the `act` tensor map;
+//           tokens past m and columns past k read as zeros)
+//   +16384  weight codes of the block as stored: [128 rows][64 B] (4-bit, `w4` map) or
+//           [128 rows][128 B] (8-bit tail, `w8` map); bytes past a row's end are zeros
+//   +32768  f32 [128] activation scales of the tokens (the producer warp's loads)
+//   +33280  f16 [128] weight scales of the rows (the `sw` map over sw_t)
+// Barriers: full[s] (the producer's expect-tx arrival and its 32 lanes' after their scale
+// stores: 33 arrivals plus the TMA bytes), empty[s] (the 8 consumer warps, after their
+// wgmmas and scale reads of the stage). Consumer warpgroup c issues block i's wgmmas
+// (m64n128k32 s8: A = its 64 rows' weights unpacked in registers, B = the stage's
+// activations) only after the other finished its own (named barriers 1 and 2 pass the
+// turn), so one warpgroup's rescale runs in the shadow of the other's tensor-core work.
+// Split-k and the epilogue as in the warpgroup GEMM above (named barrier 3: the 256
+// consumer threads).
+
+#define TMA_THREADS 288
+#define TMA_STAGES 6
+#define TMA_STAGE 33792
+#define TMA_W 16384
+#define TMA_SA 32768
+#define TMA_SW 33280
+
+// A CUtensorMap (128 opaque bytes, built by cuTensorMapEncodeTiled on the host).
+struct __align__(128) TensorMap {
+    unsigned long long v[16];
+};
+
+// Mirrors `TmaParams` in src/ops/w4a4_cuda.rs (repr(C)).
+struct TmaParams {
+    TensorMap act;  // u8 [m, k] codes: box 128 x 128, 128-byte swizzle
+    TensorMap w4;   // u8 [n, k4 / 2]: box 64 bytes x 128 rows
+    TensorMap w8;   // u8 [n, k8w]: box 128 x 128 (k8w == 0: a copy of w4's, never used)
+    TensorMap sw;   // f16 sw_t [nb, np]: box 128 x 1
+    GemmParams g;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, int parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nW4A4_WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra W4A4_WAIT_%=;\n}\n" ::"r"(smem_u32(b)),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void tma_2d(void* dst, const TensorMap* map, int c0, int c1, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+        : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_n128(int (&d)[64], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+#endif
+
+// The split-k reduction of the warp-specialized GEMM (consumer threads only; see wg_reduce).
+__device__ __forceinline__ bool tma_reduce(const GemmParams& p, float (&acc)[64]) {
+    __shared__ uint32_t arrived;
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x, ct = threadIdx.x;
+    float* mine = p.ws + (((size_t)tile * p.splits + blockIdx.z) * 256 + ct) * 64;
+#pragma unroll
+    for (int i = 0; i < 64; i += 4)
+        *reinterpret_cast<float4*>(mine + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+    __threadfence();
+    bar_sync(3, 256);
+    if (ct == 0) arrived = atomicAdd(p.counters + tile, 1u);
+    bar_sync(3, 256);
+    if (arrived != (uint32_t)p.splits - 1) return false;
+    __threadfence();
+    for (int z = 0; z < p.splits; ++z) {
+        if (z == (int)blockIdx.z) continue;
+        const float* other = p.ws + (((size_t)tile * p.splits + z) * 256 + ct) * 64;
+#pragma unroll
+        for (int i = 0; i < 64; i += 4) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(other + i));
+            acc[i] += v.x; acc[i + 1] += v.y; acc[i + 2] += v.z; acc[i + 3] += v.w;
+        }
+    }
+    if (ct == 0) p.counters[tile] = 0;  // zero again for the next launch
+    return true;
+}
+
+template <typename T>
+__device__ void w4a4_tma(const TmaParams& P) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const GemmParams& p = P.g;
+    extern __shared__ __align__(128) uint8_t smem_raw[];
+    uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    __shared__ __align__(8) uint64_t full[TMA_STAGES], empty[TMA_STAGES];
+    constexpr int N = TMA_STAGES;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m0 = blockIdx.y * 128, n0 = blockIdx.x * 128;
+    const int k4 = p.k - p.k8w;
+    const int lo = (int)(((long long)p.nb * blockIdx.z) / p.splits);
+    const int cnt = (int)(((long long)p.nb * (blockIdx.z + 1)) / p.splits) - lo;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < N; ++s) {
+            mbar_init(&full[s], 33);
+            mbar_init(&empty[s], 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    pdl_trigger();
+    pdl_wait();
+
+    if (warp == 8) {  // the producer
+        const float* sact = reinterpret_cast<const float*>(p.act + (size_t)p.m * p.k);
+        for (int i = 0; i < cnt; ++i) {
+            const int s = i % N, b = lo + i;
+            if (i >= N) mbar_wait(&empty[s], (i / N - 1) & 1);
+            uint8_t* st = smem + s * TMA_STAGE;
+            const int start = b * 128;
+            const bool w8 = start >= k4;
+            if (lane == 0) {
+                mbar_expect_tx(&full[s], 16384 + (w8 ? 16384 : 8192) + 256);
+                tma_2d(st, &P.act, start, m0, &full[s]);
+                if (w8) tma_2d(st + TMA_W, &P.w8, start - k4, n0, &full[s]);
+                else tma_2d(st + TMA_W, &P.w4, start / 2, n0, &full[s]);
+                tma_2d(st + TMA_SW, &P.sw, n0, b, &full[s]);
+            }
+            float* ssa = reinterpret_cast<float*>(st + TMA_SA);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int tok = m0 + lane + 32 * j;
+                ssa[lane + 32 * j] = tok < p.m ? __ldg(sact + (size_t)b * p.m + tok) : 0.f;
+            }
+            mbar_arrive(&full[s]);  // release: this lane's scale stores
+        }
+        return;
+    }
+
+    // Consumers: warpgroup c, warp cw of it; rows r0 and r0 + 8 of the CTA tile.
+    const int c = warp >> 2, g = lane >> 2, t = lane & 3;
+    const int r0 = 64 * c + 16 * (warp & 3) + g;
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    int d[64];
+#pragma unroll 1
+    for (int i = 0; i < cnt; ++i) {
+        const int s = i % N, b = lo + i;
+        const uint8_t* st = smem + s * TMA_STAGE;
+        int start, nc;
+        block_span(b, p.k, start, nc);
+        const bool w8 = start >= k4;
+        mbar_wait(&full[s], (i / N) & 1);
+        // The A fragments (as wg_issue; rows 64 B apart for 4-bit blocks, 128 for 8-bit).
+        const int words = w8 ? 2 * nc : nc, rb = w8 ? 128 : 64;
+        uint32_t a[4][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(st + TMA_W + (r0 + 8 * h) * rb + t * 4 * words);
+            uint32_t w[8];
+            if (words == 4) {
+                const uint4 v = *reinterpret_cast<const uint4*>(src);
+                w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+                w[4] = w[5] = w[6] = w[7] = 0u;
+            } else if (words == 8) {
+                const uint4 v = *reinterpret_cast<const uint4*>(src), u = *reinterpret_cast<const uint4*>(src + 4);
+                w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+                w[4] = u.x; w[5] = u.y; w[6] = u.z; w[7] = u.w;
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) w[q] = q < words ? src[q] : 0u;
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                a[q][h] = w8 ? w[2 * q] : w[q] & 0xF0F0F0F0u;
+                a[q][h + 2] = w8 ? w[2 * q + 1] : (w[q] << 4) & 0xF0F0F0F0u;
+            }
+        }
+        // Wait for the turn on the tensor cores (warpgroup 0 starts).
+        if (c == 1 || i > 0) bar_sync(1 + c, 256);
+        wgmma_fence();
+        fence_regs(d);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) wgmma_n128(d, a[q], smem_desc(st + 32 * q), q > 0);
+        wgmma_commit();
+        fence_regs(d);
+        wgmma_wait<0>();
+        fence_regs(d);
+        // Pass the turn (warpgroup 1's last block has no one to pass it to).
+        if (c == 0 || i + 1 < cnt) bar_arrive(2 - c, 256);
+        // Rescale block i into acc.
+        const float* ssa = reinterpret_cast<const float*>(st + TMA_SA);
+        const __half* ssw = reinterpret_cast<const __half*>(st + TMA_SW);
+        const float f = w8 ? 1.f : 0.0625f;
+        const float w0 = __half2float(ssw[r0]) * f, w1 = __half2float(ssw[r0 + 8]) * f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const float2 sv = *reinterpret_cast<const float2*>(ssa + 8 * j + 2 * t);
+            acc[4 * j + 0] = fmaf(i2f(d[4 * j + 0]), w0 * sv.x, acc[4 * j + 0]);
+            acc[4 * j + 1] = fmaf(i2f(d[4 * j + 1]), w0 * sv.y, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(i2f(d[4 * j + 2]), w1 * sv.x, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(i2f(d[4 * j + 3]), w1 * sv.y, acc[4 * j + 3]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+    }
+    if (p.splits > 1 && !tma_reduce(p, acc)) return;
+    bar_sync(3, 256);  // every stage consumed: the tile is staged through them
+
+    constexpr int CH = 16 / sizeof(T);
+    constexpr int LD = 128 + CH;
+    T* tile = reinterpret_cast<T*>(smem);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            tile[(8 * j + 2 * t + (e & 1)) * LD + r0 + (e >= 2 ? 8 : 0)] = from_f32<T>(acc[4 * j + e]);
+    bar_sync(3, 256);
+    T* y = static_cast<T*>(p.y);
+    const bool vec = p.n % CH == 0;
+    for (int q = threadIdx.x; q < 128 * (128 / CH); q += 256) {
+        const int ti = q / (128 / CH), tr = (q % (128 / CH)) * CH;
+        const int gi = m0 + ti, gr = n0 + tr;
+        if (gi >= p.m || gr >= p.n) continue;
+        const T* src = tile + ti * LD + tr;
+        T* dst = y + (size_t)gi * p.n + gr;
+        if (vec && gr + CH <= p.n) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < CH && gr + e < p.n; ++e) dst[e] = src[e];
+        }
+    }
+#else
+    __trap();  // built for an architecture without wgmma: the host never launches this
+#endif
+}
+
 }  // namespace
 
 #define W4A4_KERNELS(SUF, T)                                                                  \
@@ -947,6 +1211,10 @@ __device__ void w4a4_wgmma(const GemmParams& p) {
     extern "C" __global__ void __launch_bounds__(256, 2) w4a4_wgmma_##SUF##_x2(              \
         const __grid_constant__ GemmParams p) {                                               \
         w4a4_wgmma<T, 64, false>(p);                                                          \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(TMA_THREADS, 1) w4a4_tma_##SUF(             \
+        const __grid_constant__ TmaParams p) {                                                \
+        w4a4_tma<T>(p);                                                                       \
     }
 
 W4A4_KERNELS(f32, float)

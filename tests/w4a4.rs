@@ -555,14 +555,15 @@ mod gpu {
         Ok(())
     }
 
-    const KERNELS: [W4a4Kernel; 4] = [
+    const KERNELS: [W4a4Kernel; 5] = [
         W4a4Kernel::Skinny,
         W4a4Kernel::Mma,
         W4a4Kernel::Wgmma { ctas_per_sm: 1 },
         W4a4Kernel::Wgmma { ctas_per_sm: 2 },
+        W4a4Kernel::Tma,
     ];
 
-    /// Every GEMM kernel this build has (skinny, mma.sync tiles, wgmma) with unit scales: the output is the integer sum itself,
+    /// Every GEMM kernel this build has (skinny, mma.sync tiles, wgmma, warp-specialized TMA) with unit scales: the output is the integer sum itself,
     /// which must equal the CPU's exactly; every m up to 16 and larger ones, 4-bit only and
     /// with an 8-bit tail, odd shapes.
     #[test]

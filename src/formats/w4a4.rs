@@ -816,7 +816,8 @@ impl LinearWeights for W4a4Weights {
         let why = "W4A4: the SiLU·mul runs fused into the down projection's activation quantizer";
         let wgmma = crate::ops::W4a4Kernel::Wgmma { ctas_per_sm: 1 };
         let tiles = if wgmma.available(usize::MAX) {
-            "wgmma 128x64 tiles above, split-k where the grid is small"
+            "wgmma 128x64 tiles above, split-k where the grid is small; from m = 1024 \
+             TMA + warp-specialized 128x128 tiles"
         } else {
             "mma.sync 128x128 tiles above (this build has no sm_90a wgmma)"
         };

@@ -38,6 +38,9 @@ pub enum W4a4Kernel {
     /// `wgmma` over 128 weight rows × 64 tokens, `ctas_per_sm` (1: two sets of sums per
     /// thread, 8 stages; 2: one set, 4 stages) resident per SM: builds for sm_90a.
     Wgmma { ctas_per_sm: usize },
+    /// Warp-specialized: TMA loads and mbarriers feed two `wgmma` warpgroups that take
+    /// turns on the tensor cores, 128 weight rows × 128 tokens per CTA: builds for sm_90a.
+    Tma,
 }
 
 impl W4a4Kernel {
@@ -49,16 +52,20 @@ impl W4a4Kernel {
             Self::Wgmma { ctas_per_sm } => {
                 (ctas_per_sm == 1 || ctas_per_sm == 2) && crate::kernels::wgmma_built()
             }
+            Self::Tma => crate::kernels::wgmma_built(),
         }
     }
 
     /// The kernel for `m` tokens and `n` weight rows: skinny up to
-    /// [`W4A4_SKINNY_MAX_M`]; above, wgmma where the build has it (one CTA per SM while the
-    /// 64-token tiles do not outnumber the H200's 132 SMs, two beyond: measured at
-    /// Llama-2-7B shapes), `mma.sync` tiles otherwise.
+    /// [`W4A4_SKINNY_MAX_M`]; above, where the build has wgmma, the warp-specialized GEMM
+    /// from [`W4A4_TMA_MIN_M`] tokens and the warpgroup GEMM below (one CTA per SM while
+    /// its 64-token tiles do not outnumber the H200's 132 SMs, two beyond: measured at
+    /// Llama-2-7B shapes); `mma.sync` tiles otherwise.
     pub fn choose(m: usize, n: usize) -> Self {
         if m <= W4A4_SKINNY_MAX_M {
             Self::Skinny
+        } else if crate::kernels::wgmma_built() && tma_wanted(m) {
+            Self::Tma
         } else if crate::kernels::wgmma_built() {
             Self::Wgmma {
                 ctas_per_sm: if wgmma_tiles(m, n) <= H200_SMS { 1 } else { 2 },
@@ -67,6 +74,33 @@ impl W4a4Kernel {
             Self::Mma
         }
     }
+}
+
+/// Fewest tokens the warp-specialized GEMM ([`W4a4Kernel::Tma`]) takes by default.
+/// Measured on the H200 at Llama-2-7B shapes (BENCHMARKS.md, 2026-12-04): 1.27–1.33× the
+/// warpgroup GEMM at m = 2048 on all three, mixed at 256 (0.84× on 4096², 1.09× and 1.14×
+/// on the others) and at 128; 1024 lies between and was not measured.
+pub const W4A4_TMA_MIN_M: usize = 1024;
+
+/// Whether [`W4a4Kernel::choose`] takes the warp-specialized GEMM for `m` tokens: `m >=`
+/// [`W4A4_TMA_MIN_M`] unless the environment says `CANDLE_LOWBIT_W4A4_TMA=1` (every `m`
+/// above the skinny kernel's) or `=0` (none).
+fn tma_wanted(m: usize) -> bool {
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let mode = *MODE.get_or_init(
+        || match std::env::var("CANDLE_LOWBIT_W4A4_TMA").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        },
+    );
+    mode.unwrap_or(m >= W4A4_TMA_MIN_M)
+}
+
+/// CTAs of a warp-specialized grid before split-k: 128 weight rows × 128 tokens each.
+#[cfg(feature = "cuda")]
+pub(super) fn tma_tiles(m: usize, n: usize) -> usize {
+    n.div_ceil(128) * m.div_ceil(128)
 }
 
 /// SMs of the H200 (the wgmma variant and split-k choices were measured there).

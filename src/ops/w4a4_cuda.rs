@@ -1,11 +1,11 @@
 //! CUDA launchers of `cuda/w4a4.cu`. Shapes and dtypes are validated in `w4a4.rs`.
 
-use super::w4a4::{wgmma_tiles, Matmul, Quantize, W4a4Kernel, H200_SMS};
+use super::w4a4::{tma_tiles, wgmma_tiles, Matmul, Quantize, W4a4Kernel, H200_SMS};
 use crate::formats::w4a4::blocks as nb;
 use crate::formats::LinearWeights;
 use crate::kernels::{contiguous_view, dtype_suffix, launch_params, ptx, raw_ptr, with_view};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute_enum};
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Shape};
@@ -51,6 +51,84 @@ struct GemmParams {
     nb: i32,
     np: i32,
     splits: i32,
+}
+
+/// A `CUtensorMap` (`TensorMap` of `cuda/w4a4.cu`): 128 opaque bytes.
+#[repr(C, align(128))]
+#[derive(Debug, Clone, Copy)]
+struct TensorMap([u64; 16]);
+
+/// `TmaParams` of `cuda/w4a4.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct TmaParams {
+    act: TensorMap,
+    w4: TensorMap,
+    w8: TensorMap,
+    sw: TensorMap,
+    g: GemmParams,
+}
+
+/// Warp-specialized GEMM: 6 stages of 33 KiB (`TMA_STAGE`), plus 1 KiB to align the first.
+const TMA_SMEM: u32 = 6 * 33792 + 1024;
+
+/// A 2-D tiled tensor map over `rows` rows of `cols` elements of `elem` bytes, `stride`
+/// bytes apart, read in boxes of `box_cols` × `box_rows` (out-of-bounds elements read as
+/// zeros).
+fn tensor_map(
+    ptr: u64,
+    elem: usize,
+    (cols, rows, stride): (usize, usize, usize),
+    (box_cols, box_rows): (u32, u32),
+    swizzle_128: bool,
+) -> Result<TensorMap> {
+    use sys::{
+        CUtensorMapDataType as D, CUtensorMapFloatOOBfill as O, CUtensorMapInterleave as I,
+        CUtensorMapL2promotion as L, CUtensorMapSwizzle as S,
+    };
+    if !ptr.is_multiple_of(16) || !stride.is_multiple_of(16) || cols == 0 || rows == 0 {
+        candle_core::bail!(
+            "w4a4: tensor map over {rows} x {cols} elements ({stride}-byte rows at {ptr:#x}): \
+             want a 16-byte aligned base and stride"
+        )
+    }
+    let dtype = match elem {
+        1 => D::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        2 => D::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        _ => candle_core::bail!("w4a4: tensor map of {elem}-byte elements"),
+    };
+    let dims = [cols as u64, rows as u64];
+    let strides = [stride as u64];
+    let boxes = [box_cols, box_rows];
+    let ones = [1u32, 1];
+    let mut map = TensorMap([0; 16]);
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map as *mut TensorMap as *mut sys::CUtensorMap,
+            dtype,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            ones.as_ptr(),
+            I::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            if swizzle_128 {
+                S::CU_TENSOR_MAP_SWIZZLE_128B
+            } else {
+                S::CU_TENSOR_MAP_SWIZZLE_NONE
+            },
+            L::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            O::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!(
+            "w4a4: cuTensorMapEncodeTiled over {rows} x {cols} ({stride}-byte rows, box \
+             {box_cols} x {box_rows}): {r:?}"
+        )
+    }
+    Ok(map)
 }
 
 /// Tiled GEMM: 3 stages of activation codes, weight codes (16 KiB each) and their scales.
@@ -179,7 +257,17 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
                 crate::kernels::split_k(tiles, nb(k), H200_SMS * ctas_per_sm, 4),
             )
         }
+        W4a4Kernel::Tma => {
+            let tiles = tma_tiles(m, n);
+            (tiles, crate::kernels::split_k(tiles, nb(k), H200_SMS, 4))
+        }
         _ => (0, 1),
+    };
+    // Split-k scratch floats per CTA: 256 threads × their 32 (wgmma) or 64 (tma) sums.
+    let per_cta = if op.kernel == W4a4Kernel::Tma {
+        256 * 64
+    } else {
+        128 * 64
     };
     let (name, cfg) = match op.kernel {
         W4a4Kernel::Skinny => (
@@ -206,10 +294,22 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
                 shared_mem_bytes: wgmma_smem(ctas_per_sm),
             },
         ),
+        W4a4Kernel::Tma => (
+            format!("w4a4_tma_{suf}"),
+            LaunchConfig {
+                grid_dim: (
+                    n.div_ceil(128) as u32,
+                    m.div_ceil(128) as u32,
+                    splits as u32,
+                ),
+                block_dim: (288, 1, 1),
+                shared_mem_bytes: TMA_SMEM,
+            },
+        ),
     };
     // Split-k scratch: each CTA's f32 tile, and a zeroed arrival counter per tile.
     let scratch = if splits > 1 {
-        let ws = unsafe { dev.alloc::<f32>(tiles * splits * 128 * 64)? };
+        let ws = unsafe { dev.alloc::<f32>(tiles * splits * per_cta)? };
         let counters = dev.alloc_zeros::<u32>(tiles)?;
         Some((ws, counters))
     } else {
@@ -255,7 +355,23 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
                             np: w.scales_t().dim(1)? as i32,
                             splits: splits as i32,
                         };
-                        unsafe { launch_params(&func, &stream, cfg, 0, &params) }
+                        if op.kernel != W4a4Kernel::Tma {
+                            return unsafe { launch_params(&func, &stream, cfg, 0, &params) };
+                        }
+                        let k4 = k - w.k8w();
+                        let np = params.np as usize;
+                        let w4_map = tensor_map(w4p, 1, (k4 / 2, n, k4 / 2), (64, 128), false)?;
+                        let tma = TmaParams {
+                            act: tensor_map(act, 1, (k, m, k), (128, 128), true)?,
+                            w4: w4_map,
+                            w8: match w.k8w() {
+                                0 => w4_map,
+                                k8w => tensor_map(w8, 1, (k8w, n, k8w), (128, 128), false)?,
+                            },
+                            sw: tensor_map(swp, 2, (np, nb(k), 2 * np), (128, 1), false)?,
+                            g: params,
+                        };
+                        unsafe { launch_params(&func, &stream, cfg, 0, &tma) }
                     })
                 })
             })
