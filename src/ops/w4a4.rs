@@ -84,7 +84,7 @@ pub const W4A4_TMA_MIN_M: usize = 1024;
 
 /// Whether [`W4a4Kernel::choose`] takes the warp-specialized GEMM for `m` tokens: `m >=`
 /// [`W4A4_TMA_MIN_M`] unless the environment says `CANDLE_LOWBIT_W4A4_TMA=1` (every `m`
-/// above the skinny kernel's) or `=0` (none).
+/// above the skinny kernel's) or `=0` (none); the variable is read once per process.
 fn tma_wanted(m: usize) -> bool {
     static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let mode = *MODE.get_or_init(
