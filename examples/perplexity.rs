@@ -349,6 +349,7 @@ fn print_json(
         ),
         "kv_k_pre_rope": s.kv_k_pre_rope,
         "kv_oaken_fractions": s.kv_oaken.as_ref().map(|o| serde_json::json!(o.calibration.fractions)),
+        "kv_oaken_picked": s.kv_oaken.as_ref().map(|o| serde_json::json!(o.calibration.picked)),
         "dtype": s.dtype.as_str(),
         "device": common::device_name(&s.device),
         "ctx": args.ctx,

@@ -66,10 +66,9 @@ fn main() -> Result<()> {
     let bytes = std::fs::metadata(args.out.join(checkpoint::WEIGHTS_FILE))?.len();
     if let Some(c) = s.kv_oaken.as_ref().map(|o| &o.calibration) {
         println!(
-            "stored oaken KV thresholds for {} layers (outer {}, inner {}, K {})",
+            "stored oaken KV thresholds for {} layers ({}, K {})",
             c.layers.len(),
-            c.fractions.outer,
-            c.fractions.inner,
+            c.describe(),
             c.k_rope
         );
     }

@@ -161,6 +161,19 @@ pub struct Stats {
     /// Per layer (empty where no fractions were asked for).
     pub kv: Vec<KvQuantiles>,
     pub kv_fractions: Vec<f64>,
+    /// Per layer, where asked for: sampled K / V rows for Oaken's threshold search.
+    pub kv_rows: Vec<KvRows>,
+}
+
+/// Rows of one layer's K (before and after RoPE) and V, `[n, nkv · hd]` flattened: every
+/// `stride`-th token of the calibration text.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KvRows {
+    pub k_pre_rope: Vec<f32>,
+    pub k_post_rope: Vec<f32>,
+    pub v: Vec<f32>,
+    /// Tokens seen so far (sampled or not).
+    pub tokens: usize,
 }
 
 /// The observer behind [`collect`] and [`quantize_model`].
@@ -168,21 +181,57 @@ struct Collector {
     /// Layers whose inputs get a full `XᵀX`.
     full: Vec<usize>,
     kv_fractions: Vec<f64>,
+    /// Keep every `kv_stride`-th token's K / V rows (0: none).
+    kv_stride: usize,
     stats: Stats,
 }
 
 impl Collector {
-    fn new(full: Vec<usize>, kv_fractions: Vec<f64>) -> Self {
+    fn new(full: Vec<usize>, kv_fractions: Vec<f64>, kv_stride: usize) -> Self {
         let stats = Stats {
             inputs: HashMap::new(),
             kv: vec![],
             kv_fractions: kv_fractions.clone(),
+            kv_rows: vec![],
         };
         Self {
             full,
             kv_fractions,
+            kv_stride,
             stats,
         }
+    }
+
+    fn keep_rows(
+        &mut self,
+        layer: usize,
+        k_pre: &Tensor,
+        k_post: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        if self.stats.kv_rows.len() <= layer {
+            self.stats.kv_rows.resize(layer + 1, KvRows::default());
+        }
+        let width = v.dim(candle_core::D::Minus1)?;
+        let rows = |t: &Tensor| -> Result<Vec<f32>> {
+            t.to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_device(&Device::Cpu)?
+                .to_vec1::<f32>()
+        };
+        let (a, b, c) = (rows(k_pre)?, rows(k_post)?, rows(v)?);
+        let r = &mut self.stats.kv_rows[layer];
+        let n = c.len() / width.max(1);
+        for t in 0..n {
+            if (r.tokens + t).is_multiple_of(self.kv_stride) {
+                let span = t * width..(t + 1) * width;
+                r.k_pre_rope.extend_from_slice(&a[span.clone()]);
+                r.k_post_rope.extend_from_slice(&b[span.clone()]);
+                r.v.extend_from_slice(&c[span]);
+            }
+        }
+        r.tokens += n;
+        Ok(())
     }
 }
 
@@ -234,6 +283,9 @@ impl Observer for Collector {
         mean(&mut q.k_post_rope, b);
         mean(&mut q.v, c);
         q.passes += 1;
+        if self.kv_stride > 0 {
+            self.keep_rows(layer, k_pre, k_post, v)?;
+        }
         Ok(())
     }
 }
@@ -274,10 +326,21 @@ pub fn collect(
     (full, kv_fractions): (Vec<usize>, Vec<f64>),
     progress: &mut dyn Progress,
 ) -> Result<Stats> {
+    let obs = Collector::new(full, kv_fractions, 0);
+    run_collector(model, cfg, windows, (batch, dtype), obs, progress)
+}
+
+fn run_collector(
+    model: &Llama,
+    cfg: &Config,
+    windows: &[Vec<u32>],
+    (batch, dtype): (usize, DType),
+    mut obs: Collector,
+    progress: &mut dyn Progress,
+) -> Result<Stats> {
     let dev = model.lm_head().weights().device();
     let ids = batches(windows, batch, &dev)?;
     let mut cache = cache_for(model, cfg, windows[0].len(), dtype, &dev)?;
-    let mut obs = Collector::new(full, kv_fractions);
     progress.start("calibration", ids.len() * model.num_layers());
     for b in &ids {
         let (mut res, mut xn) = model.embed(b)?;
@@ -290,19 +353,67 @@ pub fn collect(
     Ok(obs.stats)
 }
 
+/// How [`oaken_thresholds`] sets each layer's thresholds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OakenChoice {
+    /// The same fractions for every layer and for K and V (the paper's rule).
+    Fixed(crate::kv::OakenFractions),
+    /// Per layer and separately for K and V, the candidate whose thresholds give the least
+    /// squared error of the encoded-then-decoded rows (the CPU reference codec), on about
+    /// `rows` sampled (token, KV head) rows of the calibration text. The default:
+    /// [`OakenChoice::search`].
+    Search {
+        candidates: Vec<crate::kv::OakenFractions>,
+        rows: usize,
+    },
+}
+
+impl OakenChoice {
+    /// The search over [`crate::kv::oaken::search_grid`] on 16 384 rows.
+    pub fn search() -> Self {
+        Self::Search {
+            candidates: crate::kv::oaken::search_grid(),
+            rows: 16384,
+        }
+    }
+}
+
 /// Oaken's per-layer thresholds for `model`: one pass over `windows` gathering the K
 /// (after RoPE, as the cache stores it, or before where `k_pre_rope`) and V quantiles at
-/// `fractions`, averaged over the passes as the authors' code does.
+/// the fractions `choice` asks for, averaged over the passes as the authors' code does.
+/// The result's `picked` names each layer's chosen K and V fractions (empty for
+/// [`OakenChoice::Fixed`]); its `fractions` is the fixed one, or the first candidate.
 pub fn oaken_thresholds(
     model: &Llama,
     cfg: &Config,
     windows: &[Vec<u32>],
     (batch, dtype): (usize, DType),
-    (fractions, k_pre_rope): (crate::kv::OakenFractions, bool),
+    (choice, k_pre_rope): (&OakenChoice, bool),
     progress: &mut dyn Progress,
 ) -> Result<crate::kv::oaken::OakenCalibration> {
-    let q = fractions.quantiles()?.to_vec();
-    let stats = collect(model, cfg, windows, (batch, dtype), (vec![], q), progress)?;
+    let candidates = match choice {
+        OakenChoice::Fixed(f) => vec![*f],
+        OakenChoice::Search { candidates, .. } => candidates.clone(),
+    };
+    if candidates.is_empty() {
+        candle_core::bail!("oaken calibration: no candidate fractions")
+    }
+    let mut fractions = vec![];
+    for c in &candidates {
+        fractions.extend(c.quantiles()?);
+    }
+    let hd = cfg.hidden_size / cfg.num_attention_heads.max(1);
+    let stride = match choice {
+        OakenChoice::Fixed(_) => 0,
+        OakenChoice::Search { rows, .. } => {
+            let tokens: usize = windows.iter().map(Vec::len).sum();
+            (tokens * cfg.num_key_value_heads)
+                .div_ceil((*rows).max(1))
+                .max(1)
+        }
+    };
+    let obs = Collector::new(vec![], fractions, stride);
+    let stats = run_collector(model, cfg, windows, (batch, dtype), obs, progress)?;
     if stats.kv.len() != model.num_layers() {
         candle_core::bail!(
             "oaken calibration: K/V quantiles for {} of {} layers",
@@ -310,24 +421,58 @@ pub fn oaken_thresholds(
             model.num_layers()
         )
     }
-    let layers = stats
-        .kv
-        .iter()
-        .enumerate()
-        .map(|(i, q)| {
-            let k = if k_pre_rope {
-                &q.k_pre_rope
-            } else {
-                &q.k_post_rope
-            };
-            crate::kv::OakenLayer::from_quantiles(k, &q.v)
+    let mut layers = Vec::with_capacity(stats.kv.len());
+    let mut picked = Vec::with_capacity(stats.kv.len());
+    for (i, q) in stats.kv.iter().enumerate() {
+        let k = if k_pre_rope {
+            &q.k_pre_rope
+        } else {
+            &q.k_post_rope
+        };
+        let layer_of = |c: usize| {
+            let span = 4 * c..4 * c + 4;
+            crate::kv::OakenLayer::from_quantiles(&k[span.clone()], &q.v[span])
                 .map_err(|e| candle_core::Error::Msg(format!("layer {i}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
+        };
+        let tried = (0..candidates.len())
+            .map(layer_of)
+            .collect::<Result<Vec<_>>>()?;
+        let (kc, vc) = match stats.kv_rows.get(i) {
+            Some(r) if stride > 0 => {
+                let krows = if k_pre_rope {
+                    &r.k_pre_rope
+                } else {
+                    &r.k_post_rope
+                };
+                let best = |kv: usize, rows: &[f32]| {
+                    let err = |c: &crate::kv::OakenLayer| {
+                        let t = if kv == 0 { &c.k } else { &c.v };
+                        crate::kv::oaken::sq_error(kv, rows, hd, t)
+                    };
+                    use rayon::prelude::*;
+                    let e: Vec<f64> = tried.par_iter().map(err).collect();
+                    (0..e.len())
+                        .min_by(|&a, &b| e[a].total_cmp(&e[b]))
+                        .unwrap_or(0)
+                };
+                (best(0, krows), best(1, &r.v))
+            }
+            _ => (0, 0),
+        };
+        layers.push(crate::kv::OakenLayer {
+            k: tried[kc].k,
+            v: tried[vc].v,
+        });
+        picked.push([candidates[kc], candidates[vc]]);
+    }
+    if stride == 0 {
+        picked.clear();
+    }
     Ok(crate::kv::oaken::OakenCalibration {
-        fractions,
+        fractions: candidates[0],
         k_rope: if k_pre_rope { "pre-rope" } else { "post-rope" }.into(),
         layers,
+        picked,
     })
 }
 
@@ -391,7 +536,7 @@ pub fn quantize_model(
     );
     for layer in 0..layers {
         let name = format!("model.layers.{layer}");
-        let mut obs = Collector::new(vec![layer], vec![]);
+        let mut obs = Collector::new(vec![layer], vec![], 0);
         for (res, xn) in &states {
             model.block_prefill(layer, (res, xn), &mut cache, &mut obs)?;
             progress.step(&format!("{name} calibrate"));

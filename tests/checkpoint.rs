@@ -96,6 +96,7 @@ fn oaken_calibration(cfg: &candle_lowbit::Config) -> Result<OakenCalibration> {
         fractions: OakenFractions::default(),
         k_rope: "post-rope".into(),
         layers,
+        picked: vec![],
     })
 }
 

@@ -332,6 +332,81 @@ fn quantized_cache_paths_agree_on_cpu() -> Result<()> {
     Ok(())
 }
 
+/// The per-layer search: each layer's K and V thresholds are those a fixed calibration at
+/// the picked fractions gives, the pick is the candidate of least encode error on the
+/// sampled rows, and a one-candidate search equals the fixed rule.
+#[test]
+fn oaken_search_picks_per_layer_from_fixed_candidates() -> Result<()> {
+    use candle_lowbit::calib::{oaken_thresholds, OakenChoice, Quiet};
+    let cfg = candle_lowbit::Config {
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        ..common::tiny_config(3)
+    };
+    let w = common::random_weights(&cfg, 11, &Device::Cpu)?;
+    let model = Llama::load(
+        candle_nn::VarBuilder::from_tensors(w, DType::F32, &Device::Cpu),
+        &cfg,
+    )?;
+    let windows: Vec<Vec<u32>> = (0..4u32)
+        .map(|s| (0..48).map(|i| (i * 11 + s * 17) % 101).collect())
+        .collect();
+    let run = |choice: &OakenChoice| {
+        oaken_thresholds(
+            &model,
+            &cfg,
+            &windows,
+            (2, DType::F32),
+            (choice, false),
+            &mut Quiet,
+        )
+    };
+    let candidates = vec![
+        OakenFractions {
+            outer: 0.30,
+            inner: 0.30,
+        },
+        OakenFractions {
+            outer: 0.06,
+            inner: 0.04,
+        },
+        OakenFractions {
+            outer: 0.02,
+            inner: 0.02,
+        },
+    ];
+    let searched = run(&OakenChoice::Search {
+        candidates: candidates.clone(),
+        rows: 1 << 20,
+    })?;
+    assert_eq!(searched.picked.len(), 3);
+    let fixed: Vec<_> = candidates
+        .iter()
+        .map(|&f| run(&OakenChoice::Fixed(f)))
+        .collect::<candle_core::Result<_>>()?;
+    assert!(fixed.iter().all(|c| c.picked.is_empty()));
+    for (l, (layer, [pk, pv])) in searched.layers.iter().zip(&searched.picked).enumerate() {
+        let ik = candidates
+            .iter()
+            .position(|c| c == pk)
+            .expect("K pick is a candidate");
+        let iv = candidates
+            .iter()
+            .position(|c| c == pv)
+            .expect("V pick is a candidate");
+        assert_eq!(layer.k, fixed[ik].layers[l].k, "layer {l} K");
+        assert_eq!(layer.v, fixed[iv].layers[l].v, "layer {l} V");
+    }
+    // The wide 30 % / 30 % groups overflow the 8 sparse entries per segment: never the pick.
+    assert!(searched.picked.iter().flatten().all(|p| p.outer < 0.3));
+    let one = run(&OakenChoice::Search {
+        candidates: vec![candidates[1]],
+        rows: 64,
+    })?;
+    assert_eq!(one.layers, fixed[1].layers);
+    Ok(())
+}
+
 /// Oaken's calibration through a model: thresholds per layer, increasing, and a cache built
 /// from them runs the model with finite logits.
 #[test]
@@ -354,7 +429,10 @@ fn oaken_calibration_runs_through_the_model() -> Result<()> {
         &cfg,
         &windows,
         (2, DType::F32),
-        (OakenFractions::default(), false),
+        (
+            &candle_lowbit::calib::OakenChoice::Fixed(OakenFractions::default()),
+            false,
+        ),
         &mut candle_lowbit::calib::Quiet,
     )?;
     assert_eq!(c.layers.len(), 2);

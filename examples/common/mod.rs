@@ -153,6 +153,12 @@ pub struct CalibArgs {
     /// paper's is 0.06).
     #[arg(long, default_value_t = 0.04)]
     pub oaken_inner: f64,
+
+    /// oaken KV cache: choose each layer's K and V fractions from a grid (outer 0.05–0.10,
+    /// inner 0.01–0.06) by the least encode error on the calibration text; false: every
+    /// layer takes --oaken-outer / --oaken-inner.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub oaken_search: bool,
 }
 
 impl CalibArgs {
@@ -303,7 +309,12 @@ fn kv_spec(
         "post-rope"
     };
     if let Some(c) = loaded.manifest.as_ref().and_then(|m| m.kv_oaken.clone()) {
-        if c.fractions == fractions && c.k_rope == k_rope {
+        let same_rule = if args.calib.oaken_search {
+            !c.picked.is_empty()
+        } else {
+            c.picked.is_empty() && c.fractions == fractions
+        };
+        if same_rule && c.k_rope == k_rope {
             let o = KvOaken {
                 how: "checkpoint".into(),
                 calibration: c,
@@ -319,12 +330,17 @@ fn kv_spec(
     };
     let t0 = std::time::Instant::now();
     let (windows, _) = loader::calibration_windows(&src, &loaded.tokenizer)?;
+    let choice = if args.calib.oaken_search {
+        candle_lowbit::calib::OakenChoice::search()
+    } else {
+        candle_lowbit::calib::OakenChoice::Fixed(fractions)
+    };
     let c = candle_lowbit::calib::oaken_thresholds(
         &loaded.model,
         &loaded.config,
         &windows,
         (args.calib.calib_batch, dtype),
-        (fractions, args.kv_k_pre_rope),
+        (&choice, args.kv_k_pre_rope),
         bars,
     )?;
     let how = format!(
@@ -511,10 +527,7 @@ pub fn describe(s: &Session) -> Result<String> {
         s.kv_cache.bits_per_value(hd, s.dtype)
     );
     if let Some(o) = &s.kv_oaken {
-        line += &format!(
-            ", thresholds {}, outer {} / inner {}",
-            o.how, o.calibration.fractions.outer, o.calibration.fractions.inner
-        );
+        line += &format!(", thresholds {}, {}", o.how, o.calibration.describe());
     }
     if s.kv_k_pre_rope && s.kv_cache != KvFormat::Dense {
         line += ", K before RoPE";

@@ -33,6 +33,13 @@
 //!   0.08 / 0.04: 26.03 / 18.85 (+2.0 % / +2.1 %), the default (BENCHMARKS.md). Less
 //!   outer helps ctx 512 and hurts 2048 (0.06 / 0.04: 26.00 / 18.87; 0.07 / 0.04: 26.01 /
 //!   18.87); thresholds from 32 × 2048 calibration tokens instead of 128 × 512 did not help.
+//! - Fractions per layer and per K / V (the default since 2026-12-05): calibration keeps
+//!   about 16 384 sampled rows per layer and takes, for K and for V, the fractions of
+//!   [`search_grid`] whose thresholds give the least squared error through this codec
+//!   ([`sq_error`]); summed over layers that error ranks the single settings as
+//!   perplexity does. Measured on this repository's CPU (windows 0..40 at ctx 512, 16 × 512
+//!   calibration tokens, in-sample): one setting 0.08 / 0.04 26.18 (+2.2 %), searched
+//!   26.06 (+1.7 %); f16 cache 25.62 (BENCHMARKS.md).
 //! - The decode attention reads oaken rows on kv4's tensor-core kernel (head dims 64 and
 //!   128): the dense codes as middle values, the middle group's jump over the inner
 //!   interval as a second mma over the masks `code >= zc`, and the sparse entries as
@@ -49,8 +56,9 @@ pub const SEGMENT: usize = 64;
 pub const SEGMENT_ENTRIES: usize = 8;
 
 /// Outer and inner group sizes as fractions of all values. Default 8 % outer, 4 % inner
-/// (quantiles 0.04 / 0.48 / 0.52 / 0.96), the best measured on the default model; the
-/// paper's 4 % / 6 % is `--oaken-outer 0.04 --oaken-inner 0.06`.
+/// (quantiles 0.04 / 0.48 / 0.52 / 0.96), the best single setting measured on the default
+/// model (the calibration's default searches per layer instead: [`search_grid`]); the
+/// paper's 4 % / 6 % is `--oaken-search false --oaken-outer 0.04 --oaken-inner 0.06`.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OakenFractions {
     pub outer: f64,
@@ -77,6 +85,22 @@ impl OakenFractions {
         }
         Ok([o / 2.0, 0.5 - i / 2.0, 0.5 + i / 2.0, 1.0 - o / 2.0])
     }
+}
+
+/// The fractions the calibration's search tries per layer and per K / V (outer 0.05 …
+/// 0.10 by 0.01, each with inner 0.01 … 0.06 by 0.01): the grid around the best global
+/// fractions measured on the default model.
+pub fn search_grid() -> Vec<OakenFractions> {
+    let mut g = Vec::with_capacity(36);
+    for o in 5..=10 {
+        for i in 1..=6 {
+            g.push(OakenFractions {
+                outer: o as f64 / 100.0,
+                inner: i as f64 / 100.0,
+            });
+        }
+    }
+    g
 }
 
 /// Thresholds of one of K / V of a layer: `outer_lo < inner_lo < inner_hi < outer_hi`.
@@ -192,6 +216,35 @@ pub struct OakenCalibration {
     /// `"post-rope"`: the cache holds rotated keys.
     pub k_rope: String,
     pub layers: Vec<OakenLayer>,
+    /// The fractions each layer's K and V thresholds were taken at (where a search chose
+    /// them per layer; empty in checkpoints written before the search).
+    #[serde(default)]
+    pub picked: Vec<[OakenFractions; 2]>,
+}
+
+impl OakenCalibration {
+    /// How the thresholds were chosen, for the tools' load lines: "outer O / inner I", or
+    /// the range of the fractions a search picked.
+    pub fn describe(&self) -> String {
+        if self.picked.is_empty() {
+            return format!(
+                "outer {} / inner {}",
+                self.fractions.outer, self.fractions.inner
+            );
+        }
+        let all = self.picked.iter().flatten();
+        let range = |f: fn(&OakenFractions) -> f64| {
+            let v: Vec<f64> = all.clone().map(f).collect();
+            let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{lo}–{hi}")
+        };
+        format!(
+            "fractions searched per layer and K / V: outer {}, inner {}",
+            range(|f| f.outer),
+            range(|f| f.inner)
+        )
+    }
 }
 
 /// The standard normal quantile (Acklam's rational approximation, |error| < 1.2e-9).
@@ -380,6 +433,24 @@ pub fn quantize_row(kv: usize, x: &[f32], rec: &mut [u8], t: &KvThr) {
     put_f16(rec, meta + 4, osb);
     rec[meta + 6] = counts[0] as u8 | (counts.get(1).copied().unwrap_or(0) as u8) << 4;
     rec[meta + 7] = zc as u8;
+}
+
+/// Σ (x − decode(encode(x)))² over `rows` (consecutive `hd`-value rows of K, `kv` 0, or
+/// V, `kv` 1) under thresholds `t`.
+pub fn sq_error(kv: usize, rows: &[f32], hd: usize, t: &Thresholds) -> f64 {
+    let p = t.params();
+    let mut rec = vec![0u8; rec_bytes(hd)];
+    let mut out = vec![0f32; hd];
+    rows.chunks_exact(hd)
+        .map(|x| {
+            quantize_row(kv, x, &mut rec, &p);
+            dequantize_row(kv, &rec, &mut out, &p);
+            x.iter()
+                .zip(&out)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum::<f64>()
+        })
+        .sum()
 }
 
 /// Decode record `rec` of K (`kv` 0) or V (`kv` 1) into `out` (`hd` values) with
