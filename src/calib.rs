@@ -165,12 +165,11 @@ pub struct Stats {
     pub kv_rows: Vec<KvRows>,
 }
 
-/// Rows of one layer's K (before and after RoPE) and V, `[n, nkv · hd]` flattened: every
-/// `stride`-th token of the calibration text.
+/// Rows of one layer's K (as the cache stores it: before or after RoPE) and V,
+/// `[n, nkv · hd]` flattened: every `stride`-th token of the calibration text.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct KvRows {
-    pub k_pre_rope: Vec<f32>,
-    pub k_post_rope: Vec<f32>,
+    pub k: Vec<f32>,
     pub v: Vec<f32>,
     /// Tokens seen so far (sampled or not).
     pub tokens: usize,
@@ -181,13 +180,19 @@ struct Collector {
     /// Layers whose inputs get a full `XᵀX`.
     full: Vec<usize>,
     kv_fractions: Vec<f64>,
-    /// Keep every `kv_stride`-th token's K / V rows (0: none).
+    /// Keep every `kv_stride`-th token's K / V rows (0: none); K before RoPE where
+    /// `k_pre_rope`.
     kv_stride: usize,
+    k_pre_rope: bool,
     stats: Stats,
 }
 
 impl Collector {
-    fn new(full: Vec<usize>, kv_fractions: Vec<f64>, kv_stride: usize) -> Self {
+    fn new(
+        full: Vec<usize>,
+        kv_fractions: Vec<f64>,
+        (kv_stride, k_pre_rope): (usize, bool),
+    ) -> Self {
         let stats = Stats {
             inputs: HashMap::new(),
             kv: vec![],
@@ -198,17 +203,12 @@ impl Collector {
             full,
             kv_fractions,
             kv_stride,
+            k_pre_rope,
             stats,
         }
     }
 
-    fn keep_rows(
-        &mut self,
-        layer: usize,
-        k_pre: &Tensor,
-        k_post: &Tensor,
-        v: &Tensor,
-    ) -> Result<()> {
+    fn keep_rows(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         if self.stats.kv_rows.len() <= layer {
             self.stats.kv_rows.resize(layer + 1, KvRows::default());
         }
@@ -219,14 +219,13 @@ impl Collector {
                 .to_device(&Device::Cpu)?
                 .to_vec1::<f32>()
         };
-        let (a, b, c) = (rows(k_pre)?, rows(k_post)?, rows(v)?);
+        let (a, c) = (rows(k)?, rows(v)?);
         let r = &mut self.stats.kv_rows[layer];
         let n = c.len() / width.max(1);
         for t in 0..n {
             if (r.tokens + t).is_multiple_of(self.kv_stride) {
                 let span = t * width..(t + 1) * width;
-                r.k_pre_rope.extend_from_slice(&a[span.clone()]);
-                r.k_post_rope.extend_from_slice(&b[span.clone()]);
+                r.k.extend_from_slice(&a[span.clone()]);
                 r.v.extend_from_slice(&c[span]);
             }
         }
@@ -284,7 +283,8 @@ impl Observer for Collector {
         mean(&mut q.v, c);
         q.passes += 1;
         if self.kv_stride > 0 {
-            self.keep_rows(layer, k_pre, k_post, v)?;
+            let k = if self.k_pre_rope { k_pre } else { k_post };
+            self.keep_rows(layer, k, v)?;
         }
         Ok(())
     }
@@ -326,7 +326,7 @@ pub fn collect(
     (full, kv_fractions): (Vec<usize>, Vec<f64>),
     progress: &mut dyn Progress,
 ) -> Result<Stats> {
-    let obs = Collector::new(full, kv_fractions, 0);
+    let obs = Collector::new(full, kv_fractions, (0, false));
     run_collector(model, cfg, windows, (batch, dtype), obs, progress)
 }
 
@@ -412,7 +412,7 @@ pub fn oaken_thresholds(
                 .max(1)
         }
     };
-    let obs = Collector::new(vec![], fractions, stride);
+    let obs = Collector::new(vec![], fractions, (stride, k_pre_rope));
     let stats = run_collector(model, cfg, windows, (batch, dtype), obs, progress)?;
     if stats.kv.len() != model.num_layers() {
         candle_core::bail!(
@@ -439,11 +439,6 @@ pub fn oaken_thresholds(
             .collect::<Result<Vec<_>>>()?;
         let (kc, vc) = match stats.kv_rows.get(i) {
             Some(r) if stride > 0 => {
-                let krows = if k_pre_rope {
-                    &r.k_pre_rope
-                } else {
-                    &r.k_post_rope
-                };
                 let best = |kv: usize, rows: &[f32]| {
                     let err = |c: &crate::kv::OakenLayer| {
                         let t = if kv == 0 { &c.k } else { &c.v };
@@ -455,7 +450,7 @@ pub fn oaken_thresholds(
                         .min_by(|&a, &b| e[a].total_cmp(&e[b]))
                         .unwrap_or(0)
                 };
-                (best(0, krows), best(1, &r.v))
+                (best(0, &r.k), best(1, &r.v))
             }
             _ => (0, 0),
         };
@@ -536,7 +531,7 @@ pub fn quantize_model(
     );
     for layer in 0..layers {
         let name = format!("model.layers.{layer}");
-        let mut obs = Collector::new(vec![layer], vec![], 0);
+        let mut obs = Collector::new(vec![layer], vec![], (0, false));
         for (res, xn) in &states {
             model.block_prefill(layer, (res, xn), &mut cache, &mut obs)?;
             progress.step(&format!("{name} calibrate"));
