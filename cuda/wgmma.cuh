@@ -10,12 +10,10 @@
 // = (row 16 w + g + 8 (e >= 2), column 8 j + 2 t + (e & 1)).
 #pragma once
 #include "common.cuh"
+#include "mbarrier.cuh"
 
 namespace lowbit {
 
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");

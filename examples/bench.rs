@@ -79,6 +79,11 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     pub m: Vec<usize>,
 
+    /// The kernel rows' weight shapes `NxK` (comma-separated) instead of the Llama-2-7B ones,
+    /// e.g. the Llama-2-70B projections `10240x8192,8192x8192,57344x8192,8192x28672`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
+    pub shapes: Vec<(usize, usize)>,
+
     /// Print the names of the rows the filter selects, run nothing.
     #[arg(long)]
     pub list: bool,
@@ -102,6 +107,25 @@ pub struct Args {
 
     #[command(flatten)]
     pub calib: common::CalibArgs,
+}
+
+/// `NxK` as `(n, k)`.
+fn parse_shape(v: &str) -> Result<(usize, usize), String> {
+    let (n, k) = v
+        .split_once('x')
+        .ok_or_else(|| format!("shape {v:?}: want NxK, e.g. 4096x11008"))?;
+    let p = |t: &str| {
+        t.parse::<usize>()
+            .map_err(|e| format!("shape {v:?}: {e}"))
+            .and_then(|x| {
+                if x > 0 {
+                    Ok(x)
+                } else {
+                    Err(format!("shape {v:?}: zero size"))
+                }
+            })
+    };
+    Ok((p(n)?, p(k)?))
 }
 
 fn main() {

@@ -413,3 +413,103 @@ fn tile_kernels_match_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// The one-token GEMV (`tiles_gemv`) at every cluster size against the CPU reference and
+/// the skinny kernel on the same packed weights: w2416 (random and quantized, with
+/// outliers, several 4-bit shares), int4 / int2 in tiles; odd row-block counts, k not a
+/// multiple of 128, an odd number of tile columns; all three epilogues.
+#[test]
+fn tile_gemv_matches_cpu_and_skinny_kernel() -> Result<()> {
+    use candle_lowbit::formats::w2416::{self, W2416Config, W2416Weights};
+    use candle_lowbit::formats::{Epilogue, LinearWeights, QuantOptions};
+    use candle_lowbit::ops::force_gemv;
+    let (cpu, dev) = (Device::Cpu, gpu()?);
+    let mut layers: Vec<Box<dyn LinearWeights>> = vec![];
+    for (i, &(n, k, bits, outl)) in [
+        (96usize, 4096usize, 3.0f64, 0.005f64),
+        (128, 1000, 3.3, 0.01),
+        (224, 2304, 2.5, 0.0),
+        (64, 11008, 3.0, 0.005),
+        (352, 576, 3.0, 0.005),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let cfg = W2416Config {
+            bits,
+            outliers: outl,
+        };
+        layers.push(Box::new(W2416Weights::new(
+            WeightFormat::W2416,
+            w2416::random(n, k, &cfg, 100 + i as u64, &cpu)?,
+        )));
+        let w = randn(140 + i as u64, &[n, k], 0.05, DType::F32, &cpu)?;
+        for f in [WeightFormat::W2416, WeightFormat::Int4, WeightFormat::Int2] {
+            layers.push(
+                f.spec()
+                    .codec
+                    .quantize(f, &w, None, &QuantOptions::default())?,
+            );
+        }
+    }
+    for l in &layers {
+        let (n, k) = l.shape();
+        let g = to_gpu(l.as_ref(), &dev)?;
+        let what = format!("{} [{n}, {k}]", l.encoding());
+        let wc = l.dequantize()?;
+        let tol = l.format().spec().tolerance as f32;
+        let x = randn(7 + n as u64 + k as u64, &[1, k], 1.0, DType::F16, &cpu)?;
+        let want = x.to_dtype(DType::F32)?.matmul(&wc.t()?)?;
+        let xg = x.to_device(&dev)?;
+        force_gemv(Some((0, 0)));
+        let skinny = g.forward(&xg);
+        force_gemv(None);
+        let skinny = skinny?;
+        // Every cluster size, with one pair per cluster and with one or two clusters taking
+        // every pair (the rings run on across pairs; splits that cannot give every warp four
+        // chunks of a pair fall back to the skinny kernel, also checked here).
+        for (ks, cl) in [
+            (1usize, 0usize),
+            (2, 0),
+            (3, 0),
+            (8, 0),
+            (1, 1),
+            (1, 2),
+            (2, 1),
+            (3, 2),
+        ] {
+            force_gemv(Some((ks, cl)));
+            let y = g.forward(&xg);
+            let y32 = g.forward_fused(Epilogue::F32Out, &xg);
+            let silu = if (n / 2) % 32 == 0 && n % 64 == 0 {
+                g.forward_fused(Epilogue::SiluMul, &xg)
+            } else {
+                None
+            };
+            force_gemv(None);
+            let (e, m) = rel_err(&y?, &want)?;
+            assert!(e < tol, "{what}: gemv ks {ks}: rel {e} (max |diff| {m})");
+            let (e2, _) = rel_err(&skinny, &y32.expect("f32 epilogue at m = 1")?)?;
+            assert!(
+                e2 < tol,
+                "{what}: gemv ks {ks} f32 out against the skinny kernel: rel {e2}"
+            );
+            if let Some(y) = silu {
+                let h = n / 2;
+                let r16 = |t: Tensor| -> Result<Tensor> {
+                    Ok(t.to_dtype(DType::F16)?.to_dtype(DType::F32)?)
+                };
+                let gate = r16(want.narrow(1, 0, h)?)?;
+                let up = r16(want.narrow(1, h, h)?)?;
+                let s = r16(candle_nn::ops::silu(&gate)?)?;
+                let (e, _) = rel_err(&y?, &(s * up)?)?;
+                assert!(
+                    e < 2.0 * tol,
+                    "{what}: gemv ks {ks} cl {cl} SiLU·mul rel {e}"
+                );
+            }
+        }
+        println!("{what}: gemv ok");
+    }
+    Ok(())
+}

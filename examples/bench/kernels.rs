@@ -1,4 +1,4 @@
-//! Section 1: matmul kernels at Llama-2-7B shapes.
+//! Section 1: matmul kernels at Llama-2-7B shapes (or `--shapes`).
 //!
 //! `y[m, n] = x[m, k] · W[n, k]ᵀ` for every implementation:
 //! - `candle-f16`: stock candle, `x.matmul(&w.t())` in f16 (cuBLAS), the baseline;
@@ -81,10 +81,12 @@ struct Shape {
 }
 
 pub fn run(ctx: &mut Ctx) -> Result<()> {
-    let shapes: &[(usize, usize)] = if ctx.quick {
-        &[(256, 256), (512, 768)]
+    let shapes: Vec<(usize, usize)> = if !ctx.shapes.is_empty() {
+        ctx.shapes.clone()
+    } else if ctx.quick {
+        vec![(256, 256), (512, 768)]
     } else {
-        &[(4096, 4096), (11008, 4096), (4096, 11008)]
+        vec![(4096, 4096), (11008, 4096), (4096, 11008)]
     };
     let ms: Vec<usize> = if !ctx.ms.is_empty() {
         ctx.ms.clone()
@@ -93,7 +95,7 @@ pub fn run(ctx: &mut Ctx) -> Result<()> {
     } else {
         vec![1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096]
     };
-    for &(n, k) in shapes {
+    for &(n, k) in &shapes {
         let wanted: Vec<Impl> = Impl::all()
             .into_iter()
             .filter(|i| ms.iter().any(|&m| ctx.wants(&row_name(n, k, i, m))))

@@ -17,6 +17,8 @@ pub struct Ctx {
     pub filters: Vec<String>,
     pub list: bool,
     pub ms: Vec<usize>,
+    /// Kernel-row shapes (`--shapes`); empty: the section's own.
+    pub shapes: Vec<(usize, usize)>,
     pub report: Report,
     pub ceiling: crate::ceiling::Ceiling,
     /// Quantizer settings of the rows built in a format (`--bits`, `--outliers`, ...).
@@ -50,6 +52,7 @@ impl Ctx {
                 .collect(),
             list: args.list,
             ms: args.m.clone(),
+            shapes: args.shapes.clone(),
             report: Report::new(args.json),
             ceiling,
             quant: args.calib.quant_options(),

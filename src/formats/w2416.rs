@@ -439,6 +439,20 @@ impl Tiles {
         })
     }
 
+    /// Whether the tensors that the GEMV copies in bulk (codes, scales, super scales) start
+    /// on 16 bytes in their buffers (their allocations do).
+    pub fn bulk_aligned(&self) -> bool {
+        let at16 = |t: &Tensor| {
+            (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
+                && t.is_contiguous()
+        };
+        at16(&self.codes)
+            && match &self.scales {
+                TileScales::TwoLevel { codes, supers } => at16(codes) && at16(supers),
+                TileScales::Plain { sz, .. } => at16(sz),
+            }
+    }
+
     /// The 4-bit flags `[R · G]` of a stored `mask` u8 `[n, ⌈G / 8⌉]`, checked to agree
     /// within each block.
     pub fn flags_of_mask(mask: &Tensor, n: usize, k: usize) -> Result<Vec<bool>> {
