@@ -390,3 +390,50 @@ fn random_weights_are_a_valid_layout() -> Result<()> {
     assert_eq!(l.expect("w2416 draws random weights")?.shape(), (n, k));
     Ok(())
 }
+
+/// The one-token GEMV's split (`ops::gemv_plan`, chosen on the host) at Llama-2-7B / 70B and
+/// SmolLM2 shapes on 132 SMs, with and without the default outliers: its shared memory fits
+/// one block (the kernel's 5 KiB of static partial sums counted: the 70B down projection
+/// with outliers once asked for more and failed to launch), one wave of blocks, and a block
+/// that takes several pairs gives every computing warp at least four chunks of each pair
+/// (its ring's stages: the ring is never two pairs ahead of the pair being computed).
+#[test]
+fn gemv_plans_fit_one_block() {
+    use candle_lowbit::ops::gemv_plan;
+    for (n, k, silu) in [
+        (12288usize, 4096usize, false),
+        (4096, 4096, false),
+        (22016, 4096, true),
+        (4096, 11008, false),
+        (10240, 8192, false),
+        (8192, 8192, false),
+        (57344, 8192, true),
+        (8192, 28672, false),
+        (960, 576, false),
+        (3072, 576, true),
+        (576, 1536, false),
+    ] {
+        let r = n / 32;
+        let np = if silu { r / 2 } else { r.div_ceil(2) };
+        let nc = k.div_ceil(64).div_ceil(2);
+        for e in [0, W2416Config::default().per_block(k)] {
+            let p = gemv_plan(np, nc, e, 132, None, 0)
+                .unwrap_or_else(|| panic!("[{n}, {k}], {e} outliers: no split"));
+            println!("[{n}, {k}] (SiLU·mul {silu}), {e} outliers per block: {p:?}");
+            assert!(
+                p.smem + 5120 <= 227 * 1024,
+                "[{n}, {k}], {e} outliers: {p:?}"
+            );
+            assert!(
+                p.ncl * p.ks <= 132,
+                "[{n}, {k}]: {p:?} is more than one wave"
+            );
+            if np.div_ceil(p.ncl) > 1 {
+                assert!(
+                    nc / p.ks / p.parts >= 4,
+                    "[{n}, {k}]: {p:?} leaves a warp < 4 chunks"
+                );
+            }
+        }
+    }
+}

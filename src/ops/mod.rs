@@ -23,7 +23,7 @@ pub use prefill::{prefill_attention, prefill_unsupported, PREFILL_HEAD_DIMS};
 pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
 #[doc(hidden)]
-pub use tiles::{force_gemm_tokens, force_gemv};
+pub use tiles::{force_gemm_tokens, force_gemv, gemv_plan, GemvPlan};
 pub use tiles::{
     tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_GEMM_MAX_M, TILES_MAX_M,
 };

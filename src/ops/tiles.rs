@@ -164,6 +164,101 @@ pub fn force_gemv(mode: Option<(usize, usize)>) {
     GEMV_FORCE.with(|c| c.set(mode.filter(|&(ks, _)| ks <= 8)));
 }
 
+/// Warps of `tiles_gemv` (cuda/tiles_gemv.cu): 16 computing, 2 for the outliers.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const GV_THREADS: u32 = 18 * 32;
+
+/// Static shared memory of `tiles_gemv` (its partial sums: f32 [2][18][32] and [2][2][32]),
+/// which a block's dynamic shared memory must leave room for.
+const GV_STATIC_SMEM: usize = 4 * (2 * 18 * 32 + 2 * 2 * 32);
+
+/// Shared memory one block may have (sm_90).
+const SMEM_PER_BLOCK: usize = 227 * 1024;
+
+/// How `tiles_gemv` splits a weight: `ks` blocks per cluster (each a `ks`-th of the
+/// columns), `parts` computing warps per row block, `ncl` clusters (each taking every
+/// `ncl`-th row-block pair), and its dynamic shared memory.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemvPlan {
+    pub ks: usize,
+    pub parts: usize,
+    pub ncl: usize,
+    pub smem: usize,
+}
+
+/// Dynamic shared memory of `tiles_gemv` (the layout in cuda/tiles_gemv.cu): the warps'
+/// rings (16 warps x 4 stages of 2304 bytes) and barriers, then for `c` columns x in
+/// fragment order and its sums, `nb` buffers of two blocks' descriptors, outlier entries
+/// (`ec` per block) and the warps' super scales.
+fn gemv_smem(c: usize, ec: usize, nb: usize, parts: usize) -> usize {
+    const WARPS: usize = 16;
+    WARPS * 4 * (2304 + 8)
+        + c * (128 + 16)
+        + nb * (2 * c * 4 + 2 * ec * 4)
+        + nb * WARPS * (c / (16 * parts) + 3) * 64
+}
+
+/// The split of `np` row-block pairs of `nc` two-column chunks (`e` outliers per block)
+/// over `sms` SMs (one block each): the least estimated time, counted in pairs per SM
+/// (pairs per cluster times the widest block's share of a pair's chunks, over a rate that
+/// falls when fewer than 8 warps per block compute), among splits whose shared memory fits,
+/// whose blocks have at least two chunks each, and where a block that takes several pairs
+/// gives each computing warp at least 4 chunks of a pair (its ring stages). `ks` forces the cluster size, `most > 0` caps the clusters (tests and
+/// measurements); `None` where nothing fits (very wide rows).
+#[doc(hidden)]
+pub fn gemv_plan(
+    np: usize,
+    nc: usize,
+    e: usize,
+    sms: usize,
+    ks: Option<usize>,
+    most: usize,
+) -> Option<GemvPlan> {
+    let mut best: Option<(f64, GemvPlan)> = None;
+    for ks in ks.map_or(1..=8, |f| f..=f) {
+        if ks > 1 && nc / ks < 2 {
+            continue; // a block of the cluster with fewer than two chunks
+        }
+        let ncl = (sms / ks).clamp(1, np.max(1));
+        let ncl = if most > 0 { ncl.min(most) } else { ncl };
+        let per = np.div_ceil(ncl);
+        let (c, ec, nb) = (
+            2 * nc.div_ceil(ks),
+            e.div_ceil(ks),
+            if per > 1 { 2 } else { 1 },
+        );
+        let fewest = nc / ks; // chunks of the block with the fewest
+        let Some(parts) = [8, 4, 2, 1]
+            .into_iter()
+            .find(|&p| per == 1 || fewest / p >= 4)
+        else {
+            continue;
+        };
+        let smem = gemv_smem(c, ec, nb, parts);
+        if smem + GV_STATIC_SMEM > SMEM_PER_BLOCK {
+            continue;
+        }
+        let rate = match parts {
+            8 => 1.0,
+            4 => 0.75,
+            2 => 0.5,
+            _ => 0.3,
+        };
+        let cost = (per * nc.div_ceil(ks)) as f64 / nc.max(1) as f64 / rate;
+        let plan = GemvPlan {
+            ks,
+            parts,
+            ncl,
+            smem,
+        };
+        if best.is_none_or(|(b, _)| cost < b - 1e-9) {
+            best = Some((cost, plan));
+        }
+    }
+    best.map(|(_, p)| p)
+}
+
 /// Widest rows of the fused kernel (its descriptors sit in shared memory; the outlier
 /// entries' column field is 16 bits).
 pub const TILES_MAX_K: usize = 65536;
@@ -635,91 +730,7 @@ mod cuda {
         Ok((storage, Shape::from((m, out_cols))))
     }
 
-    /// Warps of `tiles_gemv` (cuda/tiles_gemv.cu): 16 computing, 2 for the outliers.
-    const GV_THREADS: u32 = 18 * 32;
-
-    /// Static shared memory of `tiles_gemv` (its partial sums: f32 [2][18][32] and [2][2][32]),
-    /// which a block's dynamic shared memory must leave room for.
-    const GV_STATIC_SMEM: usize = 4 * (2 * 18 * 32 + 2 * 2 * 32);
-
-    /// How `tiles_gemv` splits a weight: `ks` blocks per cluster (each a `ks`-th of the
-    /// columns), `parts` computing warps per row block, `ncl` clusters (each taking every
-    /// `ncl`-th row-block pair), and its dynamic shared memory.
-    #[derive(Debug, Clone, Copy, PartialEq)]
-    struct GemvPlan {
-        ks: usize,
-        parts: usize,
-        ncl: usize,
-        smem: usize,
-    }
-
-    /// Dynamic shared memory of `tiles_gemv` (the layout in cuda/tiles_gemv.cu): the warps'
-    /// rings (16 warps x 4 stages of 2304 bytes) and barriers, then for `c` columns x in
-    /// fragment order and its sums, `nb` buffers of two blocks' descriptors, outlier entries
-    /// (`ec` per block) and the warps' super scales.
-    fn gemv_smem(c: usize, ec: usize, nb: usize, parts: usize) -> usize {
-        const WARPS: usize = 16;
-        WARPS * 4 * (2304 + 8)
-            + c * (128 + 16)
-            + nb * (2 * c * 4 + 2 * ec * 4)
-            + nb * WARPS * (c / (16 * parts) + 3) * 64
-    }
-
-    /// The split of `np` row-block pairs of `nc` two-column chunks (`e` outliers per block)
-    /// over `sms` SMs (one block each): the least estimated time, counted in pairs per SM
-    /// (pairs per cluster over blocks per cluster, over a rate that falls when fewer than 8
-    /// warps per block compute), among splits whose shared memory fits and where a block
-    /// that takes several pairs gives each computing warp at least 4 chunks of a pair (its
-    /// ring stages). `CANDLE_LOWBIT_GEMV_KS` (1..=8) forces the cluster size, for measuring.
-    fn gemv_plan(np: usize, nc: usize, e: usize, sms: usize) -> Option<GemvPlan> {
-        static KS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        let test = super::GEMV_FORCE
-            .with(|c| c.get())
-            .filter(|&(ks, _)| ks > 0);
-        let forced = test.map(|(ks, _)| ks).or_else(|| {
-            super::env_override(&KS, "CANDLE_LOWBIT_GEMV_KS", |v| (1..=8).contains(&v))
-        });
-        let most = test.map_or(0, |(_, cl)| cl);
-        let mut best: Option<(f64, GemvPlan)> = None;
-        for ks in forced.map_or(1..=8, |f| f..=f) {
-            let ncl = (sms / ks).clamp(1, np);
-            let ncl = if most > 0 { ncl.min(most) } else { ncl };
-            let per = np.div_ceil(ncl);
-            let (c, ec, nb) = (
-                2 * nc.div_ceil(ks),
-                e.div_ceil(ks),
-                if per > 1 { 2 } else { 1 },
-            );
-            let fewest = nc / ks; // chunks of the CTA with the fewest
-            let Some(parts) = [8, 4, 2, 1]
-                .into_iter()
-                .find(|&p| per == 1 || fewest / p >= 4)
-            else {
-                continue;
-            };
-            let smem = gemv_smem(c, ec, nb, parts);
-            if smem + GV_STATIC_SMEM > 227 * 1024 {
-                continue;
-            }
-            let rate = match parts {
-                8 => 1.0,
-                4 => 0.75,
-                2 => 0.5,
-                _ => 0.3,
-            };
-            let cost = per as f64 / ks as f64 / rate;
-            let plan = GemvPlan {
-                ks,
-                parts,
-                ncl,
-                smem,
-            };
-            if best.is_none_or(|(b, _)| cost < b - 1e-9) {
-                best = Some((cost, plan));
-            }
-        }
-        best.map(|(_, p)| p)
-    }
+    use super::{gemv_plan, GV_THREADS};
 
     /// One token: `x` f16 `[1, k]` → y `[1, n]` (f16 or f32) or `[1, n / 2]` (SiLU·mul),
     /// by `tiles_gemv` (validated by `tiles_matmul`; sm_90 builds).
@@ -755,7 +766,15 @@ mod cuda {
         let func = dev.get_or_load_custom_func(&name, "tiles_gemv", ptx::TILES_GEMV)?;
         let e = t.outliers.as_ref().map_or(0, |o| o.per_block);
         // No split fits shared memory (very wide rows): the skinny kernel.
-        let Some(plan) = gemv_plan(pairs, g.div_ceil(2), e, sm_count(&dev)?) else {
+        static KS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let test = super::GEMV_FORCE
+            .with(|c| c.get())
+            .filter(|&(ks, _)| ks > 0);
+        let forced = test.map(|(ks, _)| ks).or_else(|| {
+            super::env_override(&KS, "CANDLE_LOWBIT_GEMV_KS", |v| (1..=8).contains(&v))
+        });
+        let most = test.map_or(0, |(_, cl)| cl);
+        let Some(plan) = gemv_plan(pairs, g.div_ceil(2), e, sm_count(&dev)?, forced, most) else {
             return matmul(t, epi, s, l);
         };
         func.set_attribute(
