@@ -2,6 +2,7 @@
 // sparse f16 outliers, two-level scales) and the uniform int4 / int2 formats converted to
 // the same tiles. A matmul for m <= 16 activation rows on f16 tensor cores with the
 // dequantization in registers, and a dequantize kernel (for larger m: dequantize + cuBLAS).
+// One token on sm_90 builds takes the GEMV in cuda/tiles_gemv.cu instead of tiles_mm.
 //
 // Layout (row-major; R = n / 32 row blocks, G = ceil(k / 64) tile columns (k even; a last
 // partial tile holds zero weights past k, whose activations the kernel reads as 0), H = 4-bit tiles per

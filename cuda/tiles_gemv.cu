@@ -23,11 +23,11 @@
 // 1024, 256, 64; 4-bit p = 0, 1: 1024, 64; p = 2, 3 after a shift by 8). The bases depend
 // only on the column, so the tile's sum of base * x is one number per column and precision:
 // the mma chain of a tile gives sum((base + q) x), from which -sum(base x) (nS2 or nS4) is
-// added to leave sum(q x); per
-// row and tile y += s * sum(q x) + z * sum(x) with the group's f16 scale s and zero z as the
-// dequantize rounds them (two-level: s = f16(sc ds / maxq), z = f16(zc s / 8)). The result
-// differs from the dequantized product by f16 rounding of each weight and f32 rounding of
-// sums of terms up to 1024 |x| (the tensor cores' accumulation), as tiles_mm's fold does.
+// added to leave sum(q x); per row and tile y += s * sum(q x) + z * sum(x) with the group's
+// f16 scale s and zero z as the dequantize rounds them (two-level: s = f16(sc ds / maxq),
+// z = f16(zc s / 8)). The result differs from the dequantized product by f16 rounding of
+// each weight and f32 rounding of sums of terms up to 1024 |x| (the tensor cores'
+// accumulation), as tiles_mm's fold does.
 // Lane l = 4 gid + t keeps row gid + 8 t (its C fragment holds rows gid + 8 nb for every nb,
 // all token columns equal at m = 1): its 2 scale bytes are bytes 2 l .. 2 l + 1 of the tile's.
 //
