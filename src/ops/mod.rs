@@ -8,6 +8,7 @@ mod prefill;
 mod rms_norm;
 mod stream_read;
 mod tiles;
+mod tiles_gemv;
 mod uniform;
 mod w4a4;
 #[cfg(feature = "cuda")]
@@ -23,10 +24,12 @@ pub use prefill::{prefill_attention, prefill_unsupported, PREFILL_HEAD_DIMS};
 pub use rms_norm::{add_rms_norm, add_rms_norm_as, rms_norm_as, AddRmsNorm};
 pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STREAM_READ_THREADS};
 #[doc(hidden)]
-pub use tiles::{force_gemm_tokens, force_gemv, gemv_plan, GemvPlan};
+pub use tiles::force_gemm_tokens;
 pub use tiles::{
     tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_GEMM_MAX_M, TILES_MAX_M,
 };
+#[doc(hidden)]
+pub use tiles_gemv::{force_gemv, gemv_plan, GemvPlan};
 pub use uniform::{uniform_dequantize, uniform_pack};
 pub use w4a4::{
     tensor_bytes, w4a4_matmul, w4a4_matmul_with, w4a4_quantize, ActSource, W4a4Kernel,
