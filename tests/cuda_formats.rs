@@ -295,34 +295,24 @@ fn rel_err(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
     Ok((e / s.max(1e-20), m))
 }
 
-/// The tile kernels (w2416: random and quantized weights with outliers; int4 / int2 in
-/// tiles) against the CPU reference on the same packed weights: dequantize bit for bit,
-/// the matmul at every m <= 16 and two larger m within the format's tolerance, the f32 and
-/// SiLU·mul epilogues; shapes from one 32x64 tile to a 512x4096 weight (clusters of blocks).
-#[test]
-fn tile_kernels_match_cpu() -> Result<()> {
-    use candle_lowbit::formats::w2416::{self, W2416Config, W2416Weights};
-    use candle_lowbit::formats::{Epilogue, LinearWeights, QuantOptions};
-    let (cpu, dev) = (Device::Cpu, gpu()?);
-    let cfg = W2416Config::default();
+/// Tiled layers on the CPU for each `(n, k, cfg)`: `w2416` drawn at random under `cfg`
+/// (seed `seed + i`), and one seeded random weight (seed `seed + 40 + i`) quantized to
+/// `w2416`, `int4` and `int2` with the default options.
+fn tile_layers(
+    shapes: &[(usize, usize, candle_lowbit::formats::w2416::W2416Config)],
+    seed: u64,
+) -> Result<Vec<Box<dyn candle_lowbit::formats::LinearWeights>>> {
+    use candle_lowbit::formats::w2416::{self, W2416Weights};
+    use candle_lowbit::formats::{LinearWeights, QuantOptions};
+    let cpu = Device::Cpu;
     let mut layers: Vec<Box<dyn LinearWeights>> = vec![];
-    for (i, &(n, k)) in [
-        (32usize, 64usize),
-        (32, 90),
-        (64, 96),
-        (96, 576),
-        (64, 1536),
-        (352, 704),
-        (512, 4096),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (i, (n, k, cfg)) in shapes.iter().enumerate() {
+        let (n, k) = (*n, *k);
         layers.push(Box::new(W2416Weights::new(
             WeightFormat::W2416,
-            w2416::random(n, k, &cfg, i as u64, &cpu)?,
+            w2416::random(n, k, cfg, seed + i as u64, &cpu)?,
         )));
-        let w = randn(40 + i as u64, &[n, k], 0.05, DType::F32, &cpu)?;
+        let w = randn(seed + 40 + i as u64, &[n, k], 0.05, DType::F32, &cpu)?;
         for f in [WeightFormat::W2416, WeightFormat::Int4, WeightFormat::Int2] {
             layers.push(
                 f.spec()
@@ -331,6 +321,30 @@ fn tile_kernels_match_cpu() -> Result<()> {
             );
         }
     }
+    Ok(layers)
+}
+
+/// The tile kernels (w2416: random and quantized weights with outliers; int4 / int2 in
+/// tiles) against the CPU reference on the same packed weights: dequantize bit for bit,
+/// the matmul at every m <= 16 and two larger m within the format's tolerance, the f32 and
+/// SiLU·mul epilogues; shapes from one 32x64 tile to a 512x4096 weight (clusters of blocks).
+#[test]
+fn tile_kernels_match_cpu() -> Result<()> {
+    use candle_lowbit::formats::w2416::W2416Config;
+    use candle_lowbit::formats::Epilogue;
+    let (cpu, dev) = (Device::Cpu, gpu()?);
+    let cfg = W2416Config::default();
+    let shapes = [
+        (32usize, 64usize),
+        (32, 90),
+        (64, 96),
+        (96, 576),
+        (64, 1536),
+        (352, 704),
+        (512, 4096),
+    ]
+    .map(|(n, k)| (n, k, cfg));
+    let layers = tile_layers(&shapes, 0)?;
     for l in &layers {
         let (n, k) = l.shape();
         let g = to_gpu(l.as_ref(), &dev)?;
@@ -420,38 +434,19 @@ fn tile_kernels_match_cpu() -> Result<()> {
 /// multiple of 128, an odd number of tile columns; all three epilogues.
 #[test]
 fn tile_gemv_matches_cpu_and_skinny_kernel() -> Result<()> {
-    use candle_lowbit::formats::w2416::{self, W2416Config, W2416Weights};
-    use candle_lowbit::formats::{Epilogue, LinearWeights, QuantOptions};
+    use candle_lowbit::formats::w2416::W2416Config;
+    use candle_lowbit::formats::Epilogue;
     use candle_lowbit::ops::force_gemv;
     let (cpu, dev) = (Device::Cpu, gpu()?);
-    let mut layers: Vec<Box<dyn LinearWeights>> = vec![];
-    for (i, &(n, k, bits, outl)) in [
+    let shapes = [
         (96usize, 4096usize, 3.0f64, 0.005f64),
         (128, 1000, 3.3, 0.01),
         (224, 2304, 2.5, 0.0),
         (64, 11008, 3.0, 0.005),
         (352, 576, 3.0, 0.005),
     ]
-    .iter()
-    .enumerate()
-    {
-        let cfg = W2416Config {
-            bits,
-            outliers: outl,
-        };
-        layers.push(Box::new(W2416Weights::new(
-            WeightFormat::W2416,
-            w2416::random(n, k, &cfg, 100 + i as u64, &cpu)?,
-        )));
-        let w = randn(140 + i as u64, &[n, k], 0.05, DType::F32, &cpu)?;
-        for f in [WeightFormat::W2416, WeightFormat::Int4, WeightFormat::Int2] {
-            layers.push(
-                f.spec()
-                    .codec
-                    .quantize(f, &w, None, &QuantOptions::default())?,
-            );
-        }
-    }
+    .map(|(n, k, bits, outliers)| (n, k, W2416Config { bits, outliers }));
+    let layers = tile_layers(&shapes, 100)?;
     for l in &layers {
         let (n, k) = l.shape();
         let g = to_gpu(l.as_ref(), &dev)?;

@@ -527,23 +527,15 @@ pub(super) mod cuda {
         l: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let (m, k) = l.shape().dims2()?;
-        let (n, r, g) = (t.n, t.n / 32, crate::formats::w2416::tile_cols(t.k));
+        let (n, g) = (t.n, crate::formats::w2416::tile_cols(t.k));
         let dev = s.device().clone();
         let stream = dev.cuda_stream();
         let x = contiguous_view::<f16>(s, l, "x")?;
         let (two, _, _, _, group) = scale_tensors(t);
-        let (out_cols, pairs) = match epi {
-            Epi::SiluMul => (n / 2, r / 2),
-            _ => (n, r.div_ceil(2)),
-        };
+        let (out_cols, pairs) = out_and_pairs(t, epi);
         let name = format!(
-            "tiles_mm_{}_{}_m{}",
-            if two { "two" } else { "plain" },
-            match epi {
-                Epi::F16 => "f16",
-                Epi::F32 => "f32",
-                Epi::SiluMul => "silu",
-            },
+            "tiles_mm_{}_m{}",
+            variant(two, epi),
             if m <= 8 { 8 } else { 16 }
         );
         let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
@@ -579,31 +571,75 @@ pub(super) mod cuda {
                 args.extend(wa);
                 args.extend([xtp, out]);
                 args.extend(ints);
-                unsafe {
-                    if ks > 1 {
-                        launch_pdl_cluster(&func, &stream, cfg, ks as u32, &args)
-                    } else {
-                        launch_pdl(&func, &stream, cfg, &args)
-                    }
-                }
+                unsafe { launch_clustered(&func, &stream, cfg, ks, &args) }
             })
         };
-        let storage = if epi == Epi::F32 {
-            let out = unsafe { dev.alloc::<f32>(m * out_cols)? };
+        let storage = with_output(&dev, epi, m * out_cols, launch)?;
+        Ok((storage, Shape::from((m, out_cols))))
+    }
+
+    /// Output columns and row-block pairs of a launch: SiLU·mul pairs gate block p with up
+    /// block p + R/2 and writes half the rows; the others pair 2p and 2p + 1.
+    pub(in crate::ops) fn out_and_pairs(t: &Tiles, epi: Epi) -> (usize, usize) {
+        let (n, r) = (t.n, t.n / 32);
+        match epi {
+            Epi::SiluMul => (n / 2, r / 2),
+            _ => (n, r.div_ceil(2)),
+        }
+    }
+
+    /// A kernel variant's name part: its scales (`two` / `plain`) and epilogue.
+    pub(in crate::ops) fn variant(two: bool, epi: Epi) -> String {
+        let e = match epi {
+            Epi::F16 => "f16",
+            Epi::F32 => "f32",
+            Epi::SiluMul => "silu",
+        };
+        format!("{}_{e}", if two { "two" } else { "plain" })
+    }
+
+    /// Launches with clusters of `ks` blocks along x where `ks > 1`.
+    ///
+    /// # Safety
+    /// As [`launch_pdl`].
+    pub(in crate::ops) unsafe fn launch_clustered(
+        func: &CudaFunction,
+        stream: &Stream,
+        cfg: LaunchConfig,
+        ks: usize,
+        args: &[Arg],
+    ) -> Result<()> {
+        if ks > 1 {
+            launch_pdl_cluster(func, stream, cfg, ks as u32, args)
+        } else {
+            launch_pdl(func, stream, cfg, args)
+        }
+    }
+
+    /// `len` outputs (f32 for the f32 epilogue, else f16), written by `launch` given their
+    /// device address.
+    pub(in crate::ops) fn with_output(
+        dev: &CudaDevice,
+        epi: Epi,
+        len: usize,
+        launch: impl FnOnce(Arg) -> Result<()>,
+    ) -> Result<CudaStorage> {
+        let stream = dev.cuda_stream();
+        Ok(if epi == Epi::F32 {
+            let out = unsafe { dev.alloc::<f32>(len)? };
             {
                 let (op, _g) = dptr(&out, &stream);
                 launch(op)?;
             }
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         } else {
-            let out = unsafe { dev.alloc::<f16>(m * out_cols)? };
+            let out = unsafe { dev.alloc::<f16>(len)? };
             {
                 let (op, _g) = dptr(&out, &stream);
                 launch(op)?;
             }
             CudaStorage::wrap_cuda_slice(out, dev.clone())
-        };
-        Ok((storage, Shape::from((m, out_cols))))
+        })
     }
 
     /// Shared memory of a `tiles_gemm` variant (`TgTile` in the .cu file): its stages (6 of

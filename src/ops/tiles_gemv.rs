@@ -137,10 +137,10 @@ pub(super) use cuda::gemv;
 mod cuda {
     use super::{gemv_plan, GEMV_FORCE, GV_THREADS};
     use crate::formats::w2416::Tiles;
-    use crate::kernels::{
-        contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, sm_count, Arg,
+    use crate::kernels::{contiguous_view, dptr, ptx, sm_count, Arg};
+    use crate::ops::tiles::cuda::{
+        launch_clustered, matmul, out_and_pairs, scale_tensors, variant, with_output, with_weights,
     };
-    use crate::ops::tiles::cuda::{matmul, scale_tensors, with_weights};
     use crate::ops::tiles::{env_override, Epi};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
@@ -161,24 +161,13 @@ mod cuda {
         if m != 1 {
             candle_core::bail!("tiles_gemv: x {:?} (want one row)", l.shape())
         }
-        let (n, r, g) = (t.n, t.n / 32, crate::formats::w2416::tile_cols(t.k));
+        let (n, g) = (t.n, crate::formats::w2416::tile_cols(t.k));
         let dev = s.device().clone();
         let stream = dev.cuda_stream();
         let x = contiguous_view::<f16>(s, l, "x")?;
         let (two, _, _, _, group) = scale_tensors(t);
-        let (out_cols, pairs) = match epi {
-            Epi::SiluMul => (n / 2, r / 2),
-            _ => (n, r.div_ceil(2)),
-        };
-        let name = format!(
-            "tiles_gemv_{}_{}",
-            if two { "two" } else { "plain" },
-            match epi {
-                Epi::F16 => "f16",
-                Epi::F32 => "f32",
-                Epi::SiluMul => "silu",
-            }
-        );
+        let (out_cols, pairs) = out_and_pairs(t, epi);
+        let name = format!("tiles_gemv_{}", variant(two, epi));
         let func = dev.get_or_load_custom_func(&name, "tiles_gemv", ptx::TILES_GEMV)?;
         let e = t.outliers.as_ref().map_or(0, |o| o.per_block);
         static KS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
@@ -210,30 +199,10 @@ mod cuda {
                 args.extend(wa);
                 args.push(out);
                 args.extend(ints);
-                unsafe {
-                    if ks > 1 {
-                        launch_pdl_cluster(&func, &stream, cfg, ks as u32, &args)
-                    } else {
-                        launch_pdl(&func, &stream, cfg, &args)
-                    }
-                }
+                unsafe { launch_clustered(&func, &stream, cfg, ks, &args) }
             })
         };
-        let storage = if epi == Epi::F32 {
-            let out = unsafe { dev.alloc::<f32>(out_cols)? };
-            {
-                let (op, _g) = dptr(&out, &stream);
-                launch(op)?;
-            }
-            CudaStorage::wrap_cuda_slice(out, dev.clone())
-        } else {
-            let out = unsafe { dev.alloc::<f16>(out_cols)? };
-            {
-                let (op, _g) = dptr(&out, &stream);
-                launch(op)?;
-            }
-            CudaStorage::wrap_cuda_slice(out, dev.clone())
-        };
+        let storage = with_output(&dev, epi, out_cols, launch)?;
         Ok((storage, Shape::from((1, out_cols))))
     }
 }
