@@ -105,8 +105,25 @@ __device__ __forceinline__ void gv_mma(float (&c)[4], uint32_t a0, uint32_t a1, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// sum((base + q) x) of the lane's row (gid + 8 t) of one tile: two mma chains (row halves);
-// the lane's own row picked out of its C fragments.
+// k-chunk KC of one row half (words wa, wb: rows gid, gid + 8 of the half; ha, hb their
+// shifted copies): its A fragment as base + q pairs, then the mma. 2-bit: pairs j = 2 KC
+// (columns + 0) and 2 KC + 1 (+ 8) of words nb; 4-bit: pairs p = 2 (KC % 2) and + 1 of words
+// 2 nb + KC / 2 (the caller passes those).
+template <int KC>
+__device__ __forceinline__ void gv_chunk2(float (&c)[4], uint32_t wa, uint32_t ha, uint32_t wb, uint32_t hb,
+                                          const uint32_t (&bx)[8]) {
+    gv_mma(c, q2<2 * KC>(wa, ha), q2<2 * KC>(wb, hb), q2<2 * KC + 1>(wa, ha), q2<2 * KC + 1>(wb, hb), bx[2 * KC],
+           bx[2 * KC + 1]);
+}
+template <int KC>
+__device__ __forceinline__ void gv_chunk4(float (&c)[4], uint32_t wa, uint32_t ha, uint32_t wb, uint32_t hb,
+                                          const uint32_t (&bx)[8]) {
+    constexpr int P = 2 * (KC & 1);
+    gv_mma(c, q4<P>(wa, ha), q4<P>(wb, hb), q4<P + 1>(wa, ha), q4<P + 1>(wb, hb), bx[2 * KC], bx[2 * KC + 1]);
+}
+
+// sum((base + q) x) of the lane's row (gid + 8 t) of one tile: two mma chains (row halves mb,
+// rows nb = 2 mb and 2 mb + 1), interleaved; the lane's own row picked out of its C fragments.
 template <bool FOUR>
 __device__ __forceinline__ float gv_tile(uint4 c0, uint4 c1, const uint32_t (&bx)[8], int t) {
     float c[2][4];
@@ -119,44 +136,20 @@ __device__ __forceinline__ float gv_tile(uint4 c0, uint4 c1, const uint32_t (&bx
         uint32_t h[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) h[i] = w[i] >> 8;
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc)
-#pragma unroll
-            for (int mb = 0; mb < 2; ++mb) {
-                const int wa = 2 * (2 * mb) + kc / 2, wb = 2 * (2 * mb + 1) + kc / 2;
-                uint32_t a[4];
-                if (kc & 1) {
-                    a[0] = q4<2>(w[wa], h[wa]);
-                    a[1] = q4<2>(w[wb], h[wb]);
-                    a[2] = q4<3>(w[wa], h[wa]);
-                    a[3] = q4<3>(w[wb], h[wb]);
-                } else {
-                    a[0] = q4<0>(w[wa], h[wa]);
-                    a[1] = q4<0>(w[wb], h[wb]);
-                    a[2] = q4<1>(w[wa], h[wa]);
-                    a[3] = q4<1>(w[wb], h[wb]);
-                }
-                gv_mma(c[mb], a[0], a[1], a[2], a[3], bx[2 * kc], bx[2 * kc + 1]);
-            }
+        // Words of row nb, k-chunk kc: 2 nb + kc / 2.
+#define GV_CHUNK4(KC)                                                                              \
+    for (int mb = 0; mb < 2; ++mb)                                                                 \
+        gv_chunk4<KC>(c[mb], w[4 * mb + KC / 2], h[4 * mb + KC / 2], w[4 * mb + 2 + KC / 2],        \
+                      h[4 * mb + 2 + KC / 2], bx);
+        GV_CHUNK4(0) GV_CHUNK4(1) GV_CHUNK4(2) GV_CHUNK4(3)
+#undef GV_CHUNK4
     } else {
         const uint32_t w[4] = {c0.x, c0.y, c0.z, c0.w};
         const uint32_t h[4] = {w[0] >> 10, w[1] >> 10, w[2] >> 10, w[3] >> 10};
-#pragma unroll
-        for (int mb = 0; mb < 2; ++mb)
-            gv_mma(c[mb], q2<0>(w[2 * mb], h[2 * mb]), q2<0>(w[2 * mb + 1], h[2 * mb + 1]), q2<1>(w[2 * mb], h[2 * mb]),
-                   q2<1>(w[2 * mb + 1], h[2 * mb + 1]), bx[0], bx[1]);
-#pragma unroll
-        for (int mb = 0; mb < 2; ++mb)
-            gv_mma(c[mb], q2<2>(w[2 * mb], h[2 * mb]), q2<2>(w[2 * mb + 1], h[2 * mb + 1]), q2<3>(w[2 * mb], h[2 * mb]),
-                   q2<3>(w[2 * mb + 1], h[2 * mb + 1]), bx[2], bx[3]);
-#pragma unroll
-        for (int mb = 0; mb < 2; ++mb)
-            gv_mma(c[mb], q2<4>(w[2 * mb], h[2 * mb]), q2<4>(w[2 * mb + 1], h[2 * mb + 1]), q2<5>(w[2 * mb], h[2 * mb]),
-                   q2<5>(w[2 * mb + 1], h[2 * mb + 1]), bx[4], bx[5]);
-#pragma unroll
-        for (int mb = 0; mb < 2; ++mb)
-            gv_mma(c[mb], q2<6>(w[2 * mb], h[2 * mb]), q2<6>(w[2 * mb + 1], h[2 * mb + 1]), q2<7>(w[2 * mb], h[2 * mb]),
-                   q2<7>(w[2 * mb + 1], h[2 * mb + 1]), bx[6], bx[7]);
+#define GV_CHUNK2(KC) \
+    for (int mb = 0; mb < 2; ++mb) gv_chunk2<KC>(c[mb], w[2 * mb], h[2 * mb], w[2 * mb + 1], h[2 * mb + 1], bx);
+        GV_CHUNK2(0) GV_CHUNK2(1) GV_CHUNK2(2) GV_CHUNK2(3)
+#undef GV_CHUNK2
     }
     // Row gid + 8 t: C row gid (c0) or gid + 8 (c2) of half t / 2.
     const float lo = (t & 1) ? c[0][2] : c[0][0], hi = (t & 1) ? c[1][2] : c[1][0];

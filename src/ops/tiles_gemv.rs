@@ -75,8 +75,9 @@ fn gemv_smem(c: usize, ec: usize, nb: usize, parts: usize) -> usize {
 /// (pairs per cluster times the widest block's share of a pair's chunks, over a rate that
 /// falls when fewer than 8 warps per block compute), among splits whose shared memory fits,
 /// whose blocks have at least two chunks each, and where a block that takes several pairs
-/// gives each computing warp at least 4 chunks of a pair (its ring stages). `ks` forces the cluster size, `most > 0` caps the clusters (tests and
-/// measurements); `None` where nothing fits (very wide rows).
+/// gives each computing warp at least 4 chunks of a pair (its ring stages). `ks` forces the
+/// cluster size, `most > 0` caps the clusters (tests and measurements); `None` where nothing
+/// fits (very wide rows).
 #[doc(hidden)]
 pub fn gemv_plan(
     np: usize,
