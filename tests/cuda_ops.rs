@@ -285,6 +285,17 @@ fn decode_attention_cuda_matches_cpu() -> Result<()> {
             20,
             160,
         ),
+        // Llama-2-70B's eight query heads per KV head, five chunks in the cluster.
+        (
+            Heads {
+                nh: 64,
+                nkv: 8,
+                hd: 128,
+            },
+            1,
+            150,
+            160,
+        ),
     ];
     for (dtype, tol) in [
         (DType::F32, 1e-4f32),

@@ -532,6 +532,8 @@ fn decode(ctx: &Ctx, p: &Plan, e: &mut Engine, c: usize, b: usize, row: Row) -> 
     }
     ctx.dev.synchronize()?;
     let pipelined = t0.elapsed().as_secs_f64() / steps as f64;
+    let at = c + warm + 2 * steps;
+    crate::util::profile_step(&ctx.dev, || e.step(&ids, at).map(|_| ()))?;
     Ok(row
         .num("ctx", c as f64)
         .num("batch", b as f64)

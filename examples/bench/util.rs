@@ -372,3 +372,25 @@ pub fn warm_up(dev: &Device, secs: f64) -> Result<()> {
     }
     Ok(())
 }
+
+/// Runs `f` (one decode step) between `cuProfilerStart` and `cuProfilerStop` when
+/// `CANDLE_LOWBIT_PROFILE_STEP` is set, for `ncu --profile-from-start off` (e.g. with
+/// `--graph-profiling node`: every kernel of one replayed step); otherwise does nothing.
+pub fn profile_step(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<()> {
+    if std::env::var_os("CANDLE_LOWBIT_PROFILE_STEP").is_none() {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        d.cuda_stream().context().bind_to_thread()?;
+        dev.synchronize()?;
+        unsafe { sys::cuProfilerStart() }.result()?;
+        f()?;
+        dev.synchronize()?;
+        unsafe { sys::cuProfilerStop() }.result()?;
+        return Ok(());
+    }
+    let _ = (dev, f);
+    Ok(())
+}
