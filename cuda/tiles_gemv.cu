@@ -37,7 +37,9 @@
 // rank (a chunk = GV_CH tile columns) of every one of them. Compute warp w of a CTA takes
 // block w / 8 and the (w % 8)-th of P equal parts of the CTA's chunks (P = `parts` <= 8; the
 // other compute warps idle); warps GV_WARPS and GV_WARPS + 1 the outliers of blocks 0 and 1
-// (the rank's KS-th of each block's entry list; x gathered from global memory). Each compute
+// (lane = row: the rank's KS-th of the row's run of entries, so that every lane works in
+// every rank; entries and x read from global memory, 8 in flight, the next 8 entries loaded
+// while this 8's x is gathered). Each compute
 // warp streams its chunks, pair after pair, through its own ring of GV_STAGES stages: lane 0
 // issues a chunk's codes and scales as bulk copies on the stage's mbarrier GV_STAGES chunks
 // ahead, so the next chunks are in flight while this one is decoded and multiplied (the
@@ -54,12 +56,17 @@
 // ring [GV_WARPS][GV_STAGES][GV_STAGE] (a stage: codes GV_CH x 1024, scales GV_CH x 128),
 // barriers u64 [GV_WARPS][GV_STAGES], xf u32 [C][32] (column c, lane t's 8 B-fragment words
 // (kc, hb) at 8 t + 2 kc + hb), sums f32x4 [C] (sum x, -sum(base2 x), -sum(base4 x), 0),
-// descriptors u32 [NB][2][C], outlier entries u32 [NB][2][EC], super scales f16
-// [NB][GV_WARPS][SW][32] (each warp's groups); C = GV_CH x ceil(ceil(G / GV_CH) / KS),
-// EC = ceil(E / KS), SW = C / (16 P) + 3.
+// descriptors u32 [NB][2][C], super scales f16 [NB][GV_WARPS][SW][32] (each warp's groups);
+// C = GV_CH x ceil(ceil(G / GV_CH) / KS), SW = C / (16 P) + 3.
 //
 //   x  f16 [1, k]; y EPI 0: f16 [1, n]; EPI 1: f32 [1, n]; EPI 2: f16 [1, n / 2] =
 //   silu(gate) * up, rounded as the unfused pair.
+//   nw f16 [k] or null: the input is rmsnorm(x) * nw (x then the residual stream): every CTA
+//      sums x^2 over all of k itself (x is read from L2, 2k bytes) and stages
+//      f16(x * rsqrt(mean + eps) * nw) for its columns, rounded as the separate norm kernel
+//      rounds it (the mean may differ from it in the last bit: another summation order).
+//   add f16 [n] or null (EPI 0 only): y = f16(f16(W x) + add), the residual added as
+//      cuda/rms_norm.cu adds it.
 #include "common.cuh"
 #include "mbarrier.cuh"
 
@@ -169,6 +176,7 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                            const uint32_t* __restrict__ desc, const uint8_t* __restrict__ sc,
                            const __half* __restrict__ sup, const __half* __restrict__ plain,
                            const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end,
+                           const __half* __restrict__ nw, const __half* __restrict__ add, float eps,
                            void* y_out, int n, int k, int H, int E, int group, int ks, int parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_trigger();
@@ -183,15 +191,13 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
     const int NB = NCL < NP ? 2 : 1;
     const int cc0 = NC * rank / ks, cc1 = NC * (rank + 1) / ks;  // this CTA's chunks
     const int C = GV_CH * ((NC + ks - 1) / ks), cg0 = GV_CH * cc0;
-    const int EC = (E + ks - 1) / ks, e_lo = E * rank / ks, e_hi = E * (rank + 1) / ks;
     const int SW = C / (16 * parts) + 3;
     uint8_t* ring_all = gv_smem;
     uint64_t* bar_all = reinterpret_cast<uint64_t*>(gv_smem + GV_WARPS * GV_STAGES * GV_STAGE);
     uint32_t* xf = reinterpret_cast<uint32_t*>(bar_all + GV_WARPS * GV_STAGES);
     float4* sums = reinterpret_cast<float4*>(xf + C * 32);
     uint32_t* desc_sh = reinterpret_cast<uint32_t*>(sums + C);  // [NB][2][C]
-    uint32_t* ent_sh = desc_sh + NB * 2 * C;                      // [NB][2][EC]
-    __half* sup_sh = reinterpret_cast<__half*>(ent_sh + NB * 2 * EC);  // [NB][GV_WARPS][SW][32]
+    __half* sup_sh = reinterpret_cast<__half*>(desc_sh + NB * 2 * C);  // [NB][GV_WARPS][SW][32]
     // Row blocks of this cluster's j-th pair, block b (an odd last block: block 0 again).
     auto rb_of = [&](int j, int bb) -> int {
         const int p = cl + j * NCL;
@@ -250,21 +256,15 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
             bulk_g2s(st + GV_SC_OFF, ssrc, sbytes, &bar[si]);
         }
     };
-    // Outlier warps: block ob's entry slice of pair j into its buffer; each lane's run of its
-    // row's entries within the slice.
+    // Outlier warps: lane = row of block ob of pair j; its run of the block's entries, the
+    // rank's KS-th of it.
     const int ob = warp - GV_WARPS;
     const bool outl = ob >= 0 && E > 0;
-    auto stage_entries = [&](int j) {
-        const uint32_t* src = entries + (size_t)rb_of(j, ob) * E;
-        uint32_t* dst = ent_sh + ((j % NB) * 2 + ob) * EC - e_lo;
-        for (int e = e_lo + lane; e < e_hi; e += 32) cp_async4(smem_u32(dst + e), src + e);
-        cp_async_commit();
-    };
     auto row_run = [&](int j, int& lo, int& hi) {
         const int row = rb_of(j, ob) * 32 + lane;
         const int beg = lane == 0 ? 0 : (int)__ldg(row_end + row - 1), end = (int)__ldg(row_end + row);
-        lo = max(beg, e_lo);
-        hi = min(end, e_hi);
+        lo = beg + (end - beg) * rank / ks;
+        hi = beg + (end - beg) * (rank + 1) / ks;
     };
     int o_lo = 0, o_hi = 0, n_lo = 0, n_hi = 0;
 
@@ -281,13 +281,32 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
         for (int i = 0; i < min(GV_STAGES, NI); ++i) issue(i);
     } else if (outl) {
         row_run(0, o_lo, o_hi);
-        stage_entries(0);
     }
 
     // x of this CTA's columns in B-fragment order, and its column sums. Thread i: column
     // i / 8, 8-column run s = i % 8 (= 2 kc + hb, base2 / base4 of its pairs).
     pdl_wait();
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
+    // With nw: the norm's scale from all of x (k even: 2 values per 4-byte load).
+    float inv = 1.f;
+    if (nw != nullptr) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < k / 2; i += GV_THREADS) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(x32 + i));
+            ss += f.x * f.x + f.y * f.y;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red_sh[0][warp][0] = ss;
+        __syncthreads();
+        ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < GV_WARPS + 2; ++w) ss += red_sh[0][w][0];
+        inv = rsqrtf(ss / (float)k + eps);
+    }
+    // The input value of column col (normed where asked), as f32.
+    auto xin = [&](int col, float v) -> float {
+        return nw == nullptr ? v : __half2float(__float2half_rn(v * inv * __half2float(__ldg(nw + col))));
+    };
     for (int i0 = 0; i0 < 8 * C; i0 += GV_THREADS) {
         const int i = i0 + threadIdx.x, c = i >> 3, s = i & 7;
         float sub = 0.f;
@@ -295,9 +314,14 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
 #pragma unroll
             for (int tt = 0; tt < 4; ++tt) {
                 const int col = 64 * (cg0 + c) + 8 * s + 2 * tt;
-                const uint32_t v = col < k ? __ldg(x32 + col / 2) : 0u;
-                xf[32 * c + 8 * tt + s] = v;
-                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+                float2 f = make_float2(0.f, 0.f);
+                if (col < k) {
+                    const uint32_t v = __ldg(x32 + col / 2);
+                    f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+                    f = make_float2(xin(col, f.x), xin(col + 1, f.y));
+                }
+                const __half2 hv = __floats2half2_rn(f.x, f.y);
+                xf[32 * c + 8 * tt + s] = *reinterpret_cast<const uint32_t*>(&hv);
                 sub += f.x + f.y;
             }
         }
@@ -366,37 +390,35 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
             }
             red_sh[j & 1][warp][(lane >> 2) + 8 * t] = res;
         } else if (outl && (ob == 0 || rb_of(j, 1) != rb_of(j, 0))) {
-            // Outliers: lane = row, its run of entries in order (eight entries' loads in flight).
-            if (NB == 2 && j + 1 < npc) {
-                row_run(j + 1, n_lo, n_hi);
-                stage_entries(j + 1);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            __syncwarp();
-            const uint32_t* ent = ent_sh + ((j % NB) * 2 + ob) * EC - e_lo;
+            // Outliers: lane = row, its run of entries in order, eight in flight.
+            if (j + 1 < npc) row_run(j + 1, n_lo, n_hi);
+            const uint32_t* ent = entries + (size_t)rb_of(j, ob) * E;
             float part = 0.f;
+            uint32_t v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = o_lo + u < o_hi ? __ldg(ent + o_lo + u) : 0u;
             for (int e0 = o_lo; e0 < o_hi; e0 += 8) {
-                uint32_t v[8];
                 float xv[8];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) v[u] = e0 + u < o_hi ? ent[e0 + u] : 0u;
+                for (int u = 0; u < 8; ++u) {
+                    const int col = (int)(v[u] & 0xffffu);
+                    xv[u] = e0 + u < o_hi ? xin(col, __half2float(__ldg(x + col))) : 0.f;
+                }
+                uint32_t nv[8];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) xv[u] = e0 + u < o_hi ? __half2float(x[v[u] & 0xffffu]) : 0.f;
+                for (int u = 0; u < 8; ++u) nv[u] = e0 + 8 + u < o_hi ? __ldg(ent + e0 + 8 + u) : 0u;
 #pragma unroll
-                for (int u = 0; u < 8; ++u)
+                for (int u = 0; u < 8; ++u) {
                     part = fmaf(__half2float(__ushort_as_half((unsigned short)(v[u] >> 16))), xv[u], part);
+                    v[u] = nv[u];
+                }
             }
             red_sh[j & 1][warp][lane] = part;
             o_lo = n_lo;
             o_hi = n_hi;
         } else if (ob >= 0) {
             red_sh[j & 1][warp][lane] = 0.f;
-            if (outl && NB == 2 && j + 1 < npc) {  // keep this warp's entry buffers in step
-                row_run(j + 1, n_lo, n_hi);
-                stage_entries(j + 1);
-            }
+            if (outl && j + 1 < npc) row_run(j + 1, n_lo, n_hi);
             o_lo = n_lo;
             o_hi = n_hi;
         }
@@ -435,8 +457,13 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                 for (int bb = 0; bb < 2; ++bb) {
                     if (bb == 1 && r1 == r0) continue;
                     const int o = (bb ? r1 : r0) * 32 + lane;
-                    if (EPI == 1) reinterpret_cast<float*>(y_out)[o] = tot[bb];
-                    else reinterpret_cast<__half*>(y_out)[o] = __float2half_rn(tot[bb]);
+                    if (EPI == 1) {
+                        reinterpret_cast<float*>(y_out)[o] = tot[bb];
+                    } else {
+                        float yv = tot[bb];
+                        if (add != nullptr) yv = __half2float(__float2half_rn(yv)) + __half2float(add[o]);
+                        reinterpret_cast<__half*>(y_out)[o] = __float2half_rn(yv);
+                    }
                 }
             }
         }
@@ -451,9 +478,10 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
 #define TILES_GEMV(NAME, TWO, EPI)                                                                            \
     extern "C" __global__ void __launch_bounds__(GV_THREADS, 1)                                               \
         NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
-             const __half* plain, const uint32_t* entries, const uint32_t* row_end, void* y, int n, int k, int H,  \
-             int E, int group, int ks, int parts) {                                                           \
-        tiles_gemv<TWO, EPI>(x, codes, desc, sc, sup, plain, entries, row_end, y, n, k, H, E, group, ks, parts); \
+             const __half* plain, const uint32_t* entries, const uint32_t* row_end, const __half* nw,             \
+             const __half* add, float eps, void* y, int n, int k, int H, int E, int group, int ks, int parts) {   \
+        tiles_gemv<TWO, EPI>(x, codes, desc, sc, sup, plain, entries, row_end, nw, add, eps, y, n, k, H, E, group, \
+                             ks, parts);                                                                      \
     }
 
 TILES_GEMV(tiles_gemv_two_f16, true, 0)
