@@ -102,26 +102,45 @@ __device__ void attn_finish(const AttnParams& p, float* o_sh, float* m_sh, float
         return;
     }
     if (in_cluster) {
+        // Block 0 reads every member's maxima and sums at once (one DSMEM round trip), one
+        // thread per head weighs them in rank order, then each output element's loads are
+        // all issued before the first is used. Same arithmetic, in the same order, as a
+        // merge that reads member by member.
+        __shared__ float mm_sh[ATTN_MAX_G][ATTN_MAX_CLUSTER], ww_sh[ATTN_MAX_G][ATTN_MAX_CLUSTER];
+        __shared__ float ll_sh[ATTN_MAX_G];
         cluster_sync();
         if (split == 0) {
+            if (threadIdx.x < g * ATTN_MAX_CLUSTER) {
+                const int hh = threadIdx.x / ATTN_MAX_CLUSTER, r = threadIdx.x % ATTN_MAX_CLUSTER;
+                mm_sh[hh][r] = r < n_active ? ld_cluster(&m_sh[hh], r) : -INFINITY;
+                ww_sh[hh][r] = r < n_active ? ld_cluster(&l_sh[hh], r) : 0.f;
+            }
+            __syncthreads();
+            if (threadIdx.x < g) {
+                const int hh = threadIdx.x;
+                float m = -INFINITY, l = 0.f;
+#pragma unroll
+                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) m = fmaxf(m, mm_sh[hh][r]);
+#pragma unroll
+                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
+                    const float mi = mm_sh[hh][r];
+                    const float w = (r < n_active && mi != -INFINITY) ? __expf(mi - m) : 0.f;
+                    if (r < n_active && mi != -INFINITY) l += w * ww_sh[hh][r];
+                    ww_sh[hh][r] = w;
+                }
+                ll_sh[hh] = l;
+            }
+            __syncthreads();
             for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
                 const int hh = idx / hd;
-                float mi[ATTN_MAX_CLUSTER], m = -INFINITY;
+                float oi[ATTN_MAX_CLUSTER];
 #pragma unroll
-                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
-                    mi[r] = r < n_active ? ld_cluster(&m_sh[hh], r) : -INFINITY;
-                    m = fmaxf(m, mi[r]);
-                }
-                float l = 0.f, o = 0.f;
+                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) oi[r] = r < n_active ? ld_cluster(&o_sh[idx], r) : 0.f;
+                float o = 0.f;
 #pragma unroll
-                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r) {
-                    if (r < n_active && mi[r] != -INFINITY) {
-                        const float w = __expf(mi[r] - m);
-                        l += w * ld_cluster(&l_sh[hh], r);
-                        o += w * ld_cluster(&o_sh[idx], r);
-                    }
-                }
-                out[row0 * hd + idx] = from_f32<T>(o / l);
+                for (int r = 0; r < ATTN_MAX_CLUSTER; ++r)
+                    if (r < n_active && mm_sh[hh][r] != -INFINITY) o += ww_sh[hh][r] * oi[r];
+                out[row0 * hd + idx] = from_f32<T>(o / ll_sh[hh]);
             }
         }
         cluster_sync();

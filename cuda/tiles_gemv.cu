@@ -33,33 +33,44 @@
 //
 // Work split: pairs of row blocks (plain: 2 p and 2 p + 1, an odd last block computed twice
 // and stored once; SiLU·mul: gate block p and up block p + R/2). A cluster of KS CTAs takes
-// pairs cl, cl + NCL, cl + 2 NCL, ... (NCL clusters), each of its CTAs the chunk range of its
-// rank (a chunk = GV_CH tile columns) of every one of them. Compute warp w of a CTA takes
-// block w / 8 and the (w % 8)-th of P equal parts of the CTA's chunks (P = `parts` <= 8; the
+// pairs cl, cl + NCL, cl + 2 NCL, ... (NCL clusters), each of its CTAs the column range of its
+// rank (in units of GV_CH tile columns) of every one of them. Compute warp w of a CTA takes
+// block w / 8 and the (w % 8)-th of P equal parts of the CTA's units (P = `parts` <= 8; the
 // other compute warps idle); warps GV_WARPS and GV_WARPS + 1 the outliers of blocks 0 and 1
-// (the rank's KS-th of each block's entry list; x gathered from global memory). Each compute
-// warp streams its chunks, pair after pair, through its own ring of GV_STAGES stages: lane 0
-// issues a chunk's codes and scales as bulk copies on the stage's mbarrier GV_STAGES chunks
-// ahead, so the next chunks are in flight while this one is decoded and multiplied (the
-// paper's asynchronous dequantization), across pair boundaries too. A pair's descriptors and
-// super scales (and its outlier entries) are copied in by cp.async while the pair before it
-// is computed (double-buffered where a CTA takes several pairs: the host then gives every
-// computing warp at least GV_STAGES chunks of a pair, so the ring is never two pairs ahead).
+// (lane = row: the rank's KS-th of the row's run of entries, so that every lane works in
+// every rank; entries and x read from global memory, 8 in flight, the next 8 entries loaded
+// while this 8's x is gathered). Each compute warp streams its columns, pair after pair,
+// through its own ring of GV_STAGES stages: a stage takes a chunk, the longest run of
+// consecutive columns (at most GV_MAXT) whose codes fit its 2048 bytes and scales its 256
+// (four 2-bit tiles, two 4-bit ones), so that 2-bit tiles keep as many bytes in flight as
+// 4-bit ones; lane 0 issues a chunk's codes and scales as bulk copies on the stage's
+// mbarrier GV_STAGES chunks ahead, so the next chunks are in flight while this one is
+// decoded and multiplied (the paper's asynchronous dequantization), across pair boundaries
+// too but never into the pair after next. A pair's descriptors and super scales are copied
+// in by cp.async while the pair before it is computed (double-buffered where a CTA takes
+// several pairs; the host then gives every computing warp at least GV_STAGES two-column
+// units of a pair, so the ring rarely waits at a pair boundary).
 // The first chunks are issued before pdl_wait (no kernel writes weights); then x is staged
 // once per CTA in B-fragment order with its column sums. Partial rows are summed in a fixed
 // order (parts, then outliers; then the cluster's ranks in rank order on rank 0, with one
 // cluster barrier per pair): deterministic.
 //
 // Shared memory (dynamic, bytes; NB = 2 buffers where a CTA takes several pairs, else 1):
-// ring [GV_WARPS][GV_STAGES][GV_STAGE] (a stage: codes GV_CH x 1024, scales GV_CH x 128),
+// ring [GV_WARPS][GV_STAGES][GV_STAGE] (a stage: 2048 bytes of codes, 256 of scales),
 // barriers u64 [GV_WARPS][GV_STAGES], xf u32 [C][32] (column c, lane t's 8 B-fragment words
 // (kc, hb) at 8 t + 2 kc + hb), sums f32x4 [C] (sum x, -sum(base2 x), -sum(base4 x), 0),
-// descriptors u32 [NB][2][C], outlier entries u32 [NB][2][EC], super scales f16
-// [NB][GV_WARPS][SW][32] (each warp's groups); C = GV_CH x ceil(ceil(G / GV_CH) / KS),
-// EC = ceil(E / KS), SW = C / (16 P) + 3.
+// descriptors u32 [NB][2][C], super scales f16 [NB][GV_WARPS][SW][32] (each warp's groups);
+// C = GV_CH x ceil(ceil(G / GV_CH) / KS), SW = C / (16 P) + 3. Static: the partial sums and
+// the chunk records u32 [GV_WARPS][GV_STAGES] (column | count << 16).
 //
 //   x  f16 [1, k]; y EPI 0: f16 [1, n]; EPI 1: f32 [1, n]; EPI 2: f16 [1, n / 2] =
 //   silu(gate) * up, rounded as the unfused pair.
+//   nw f16 [k] or null: the input is rmsnorm(x) * nw (x then the residual stream): every CTA
+//      sums x^2 over all of k itself (x is read from L2, 2k bytes) and stages
+//      f16(x * rsqrt(mean + eps) * nw) for its columns, rounded as the separate norm kernel
+//      rounds it (the mean may differ from it in the last bit: another summation order).
+//   add f16 [n] or null (EPI 0 only): y = f16(f16(W x) + add), the residual added as
+//      cuda/rms_norm.cu adds it.
 #include "common.cuh"
 #include "mbarrier.cuh"
 
@@ -72,6 +83,9 @@ using namespace lowbit;
 #define GV_STAGES 4
 #define GV_STAGE (GV_CH * 1024 + GV_CH * 128)
 #define GV_SC_OFF (GV_CH * 1024)
+// A stage holds a chunk of up to GV_MAXT consecutive tile columns: as many as fit its
+// GV_SC_OFF bytes of codes (two 4-bit or four 2-bit tiles) and 256 bytes of scales.
+#define GV_MAXT 4
 
 // (v & MASK) | OR in one lop3.
 template <uint32_t MASK, uint32_t OR>
@@ -169,12 +183,14 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                            const uint32_t* __restrict__ desc, const uint8_t* __restrict__ sc,
                            const __half* __restrict__ sup, const __half* __restrict__ plain,
                            const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end,
+                           const __half* __restrict__ nw, const __half* __restrict__ add, float eps,
                            void* y_out, int n, int k, int H, int E, int group, int ks, int parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_trigger();
     extern __shared__ __align__(16) uint8_t gv_smem[];
     __shared__ float red_sh[2][GV_WARPS + 2][32];  // [pair & 1][w][row]: compute, then outlier warps
     __shared__ float fin_sh[2][2][32];              // [pair & 1][block][row]: the CTA's sums
+    __shared__ uint32_t chk_sh[GV_WARPS][GV_STAGES];  // each stage's chunk: column | count << 16
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
     const int G = (k + 63) / 64, R = n / 32, NC = (G + GV_CH - 1) / GV_CH, S16 = (G + 15) / 16;
     const int NP = EPI == 2 ? R / 2 : (R + 1) / 2, NCL = gridDim.x / ks;
@@ -183,15 +199,13 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
     const int NB = NCL < NP ? 2 : 1;
     const int cc0 = NC * rank / ks, cc1 = NC * (rank + 1) / ks;  // this CTA's chunks
     const int C = GV_CH * ((NC + ks - 1) / ks), cg0 = GV_CH * cc0;
-    const int EC = (E + ks - 1) / ks, e_lo = E * rank / ks, e_hi = E * (rank + 1) / ks;
     const int SW = C / (16 * parts) + 3;
     uint8_t* ring_all = gv_smem;
     uint64_t* bar_all = reinterpret_cast<uint64_t*>(gv_smem + GV_WARPS * GV_STAGES * GV_STAGE);
     uint32_t* xf = reinterpret_cast<uint32_t*>(bar_all + GV_WARPS * GV_STAGES);
     float4* sums = reinterpret_cast<float4*>(xf + C * 32);
     uint32_t* desc_sh = reinterpret_cast<uint32_t*>(sums + C);  // [NB][2][C]
-    uint32_t* ent_sh = desc_sh + NB * 2 * C;                      // [NB][2][EC]
-    __half* sup_sh = reinterpret_cast<__half*>(ent_sh + NB * 2 * EC);  // [NB][GV_WARPS][SW][32]
+    __half* sup_sh = reinterpret_cast<__half*>(desc_sh + NB * 2 * C);  // [NB][GV_WARPS][SW][32]
     // Row blocks of this cluster's j-th pair, block b (an odd last block: block 0 again).
     auto rb_of = [&](int j, int bb) -> int {
         const int p = cl + j * NCL;
@@ -204,7 +218,7 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
     const bool computes = warp < GV_WARPS && q < parts;
     const int ch0 = cc0 + (cc1 - cc0) * q / parts, ch1 = cc0 + (cc1 - cc0) * (q + 1) / parts;
     const int nch = computes ? ch1 - ch0 : 0, wg0 = GV_CH * ch0, wg1 = min(GV_CH * ch1, G);
-    const int NI = npc * nch;  // chunks of this warp over all its pairs
+    int consumed = 0;  // chunks of this warp consumed, over all its pairs
     uint8_t* ring = ring_all + warp * GV_STAGES * GV_STAGE;
     uint64_t* bar = bar_all + warp * GV_STAGES;
     const int gshift = __ffs(group / 64) - 1;  // plain: a scale group is 2^gshift tiles
@@ -230,41 +244,54 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
         }
         cp_async_commit();
     };
-    // Chunk i (pair i / nch) into its stage: the codes of its columns (one contiguous run of
-    // the block's stream) and their scales; the operands computed by the whole warp, the
-    // copies issued by lane 0.
-    auto issue = [&](int i) {
-        const int j = i / nch, si = i % GV_STAGES, rb = rb_of(j, b);
-        const int g = wg0 + GV_CH * (i - j * nch), ge = min(g + GV_CH, wg1);
-        const uint32_t* dw = desc_of(j);
-        const uint32_t o0 = dw[g] & 0x7fffffffu, dl = dw[ge - 1];
-        const uint32_t cbytes = 4u * ((dl & 0x7fffffffu) + ((dl >> 31) ? 256u : 128u) - o0);
-        const int s0 = g >> gshift;
-        const uint32_t sbytes = TWO ? 64u * (uint32_t)(ge - g) : 128u * (uint32_t)(((ge - 1) >> gshift) - s0 + 1);
-        const void* ssrc = TWO ? (const void*)(sc + ((size_t)rb * G + g) * 64)
+    // The next chunk (issue cursor: pair ip, column ig) into its stage: the longest run of
+    // columns from ig that fits a stage (codes, one contiguous run of the block's stream, and
+    // their scales), recorded as ig | count << 16 for the consumer (written before lane 0's
+    // arrive on the stage's mbarrier, read after the wait). The operands computed by the
+    // whole warp, the copies issued by lane 0.
+    int ip = 0, ig = wg0, issued = 0;
+    auto issue_next = [&]() {
+        const int si = issued % GV_STAGES, rb = rb_of(ip, b);
+        const uint32_t* dw = desc_of(ip);
+        const uint32_t o0 = dw[ig] & 0x7fffffffu;
+        const int s0 = ig >> gshift;
+        uint32_t end = o0 + ((dw[ig] >> 31) ? 256u : 128u);  // words
+        int cnt = 1;
+        while (cnt < GV_MAXT && ig + cnt < wg1) {
+            const uint32_t d = dw[ig + cnt];
+            const uint32_t e2 = (d & 0x7fffffffu) + ((d >> 31) ? 256u : 128u);
+            if (4u * (e2 - o0) > (uint32_t)GV_SC_OFF) break;
+            if (!TWO && ((ig + cnt) >> gshift) - s0 + 1 > (GV_STAGE - GV_SC_OFF) / 128) break;
+            end = e2;
+            ++cnt;
+        }
+        const uint32_t cbytes = 4u * (end - o0);
+        const uint32_t sbytes = TWO ? 64u * (uint32_t)cnt : 128u * (uint32_t)(((ig + cnt - 1) >> gshift) - s0 + 1);
+        const void* ssrc = TWO ? (const void*)(sc + ((size_t)rb * G + ig) * 64)
                                : (const void*)(plain + ((size_t)rb * SG + s0) * 64);
         if (lane == 0) {
             uint8_t* st = ring + si * GV_STAGE;
+            chk_sh[warp][si] = (uint32_t)ig | ((uint32_t)cnt << 16);
             mbar_expect_tx(&bar[si], (int)(cbytes + sbytes));
             bulk_g2s(st, codes + (size_t)rb * 128 * (G + H) + o0, cbytes, &bar[si]);
             bulk_g2s(st + GV_SC_OFF, ssrc, sbytes, &bar[si]);
         }
+        ++issued;
+        ig += cnt;
+        if (ig >= wg1) {
+            ig = wg0;
+            ++ip;
+        }
     };
-    // Outlier warps: block ob's entry slice of pair j into its buffer; each lane's run of its
-    // row's entries within the slice.
+    // Outlier warps: lane = row of block ob of pair j; its run of the block's entries, the
+    // rank's KS-th of it.
     const int ob = warp - GV_WARPS;
     const bool outl = ob >= 0 && E > 0;
-    auto stage_entries = [&](int j) {
-        const uint32_t* src = entries + (size_t)rb_of(j, ob) * E;
-        uint32_t* dst = ent_sh + ((j % NB) * 2 + ob) * EC - e_lo;
-        for (int e = e_lo + lane; e < e_hi; e += 32) cp_async4(smem_u32(dst + e), src + e);
-        cp_async_commit();
-    };
     auto row_run = [&](int j, int& lo, int& hi) {
         const int row = rb_of(j, ob) * 32 + lane;
         const int beg = lane == 0 ? 0 : (int)__ldg(row_end + row - 1), end = (int)__ldg(row_end + row);
-        lo = max(beg, e_lo);
-        hi = min(end, e_hi);
+        lo = beg + (end - beg) * rank / ks;
+        hi = beg + (end - beg) * (rank + 1) / ks;
     };
     int o_lo = 0, o_hi = 0, n_lo = 0, n_hi = 0;
 
@@ -278,16 +305,35 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
         }
         cp_async_wait<0>();
         __syncwarp();
-        for (int i = 0; i < min(GV_STAGES, NI); ++i) issue(i);
+        while (issued < GV_STAGES && ip == 0) issue_next();
     } else if (outl) {
         row_run(0, o_lo, o_hi);
-        stage_entries(0);
     }
 
     // x of this CTA's columns in B-fragment order, and its column sums. Thread i: column
     // i / 8, 8-column run s = i % 8 (= 2 kc + hb, base2 / base4 of its pairs).
     pdl_wait();
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
+    // With nw: the norm's scale from all of x (k even: 2 values per 4-byte load).
+    float inv = 1.f;
+    if (nw != nullptr) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < k / 2; i += GV_THREADS) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(x32 + i));
+            ss += f.x * f.x + f.y * f.y;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red_sh[0][warp][0] = ss;
+        __syncthreads();
+        ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < GV_WARPS + 2; ++w) ss += red_sh[0][w][0];
+        inv = rsqrtf(ss / (float)k + eps);
+    }
+    // The input value of column col (normed where asked), as f32.
+    auto xin = [&](int col, float v) -> float {
+        return nw == nullptr ? v : __half2float(__float2half_rn(v * inv * __half2float(__ldg(nw + col))));
+    };
     for (int i0 = 0; i0 < 8 * C; i0 += GV_THREADS) {
         const int i = i0 + threadIdx.x, c = i >> 3, s = i & 7;
         float sub = 0.f;
@@ -295,9 +341,14 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
 #pragma unroll
             for (int tt = 0; tt < 4; ++tt) {
                 const int col = 64 * (cg0 + c) + 8 * s + 2 * tt;
-                const uint32_t v = col < k ? __ldg(x32 + col / 2) : 0u;
-                xf[32 * c + 8 * tt + s] = v;
-                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+                float2 f = make_float2(0.f, 0.f);
+                if (col < k) {
+                    const uint32_t v = __ldg(x32 + col / 2);
+                    f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+                    f = make_float2(xin(col, f.x), xin(col + 1, f.y));
+                }
+                const __half2 hv = __floats2half2_rn(f.x, f.y);
+                xf[32 * c + 8 * tt + s] = *reinterpret_cast<const uint32_t*>(&hv);
                 sub += f.x + f.y;
             }
         }
@@ -322,17 +373,19 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
             const uint32_t* dw = desc_of(j);
             const __half* sw = sup_of(j);
             float res = 0.f;
-            for (int c = 0; c < nch; ++c) {
-                const int i = j * nch + c, si = i % GV_STAGES;
-                mbar_wait(&bar[si], (i / GV_STAGES) & 1);
+            bool next_meta = false;  // pair j + 1's descriptors waited for
+            for (int g = wg0; g < wg1;) {
+                const int si = consumed % GV_STAGES;
+                mbar_wait(&bar[si], (consumed / GV_STAGES) & 1);
                 const uint8_t* st = ring + si * GV_STAGE;
-                const int g = wg0 + GV_CH * c, ge = min(g + GV_CH, wg1);
+                const uint32_t rc = chk_sh[warp][si];
+                const int cnt = (int)(rc >> 16);
+                g = (int)(rc & 0xffffu);
                 const uint32_t o0 = dw[g] & 0x7fffffffu;
-                const float ds = TWO ? __half2float(sw[(g / 16) * 32 + lane]) : 0.f;
 #pragma unroll
-                for (int jj = 0; jj < GV_CH; ++jj) {
+                for (int jj = 0; jj < GV_MAXT; ++jj) {
+                    if (jj >= cnt) break;
                     const int gj = g + jj;
-                    if (gj >= ge) break;
                     const uint32_t d = dw[gj];
                     const bool four = (d >> 31) != 0;
                     const uint8_t* tp = st + 4u * ((d & 0x7fffffffu) - o0) + 16 * lane;
@@ -342,6 +395,7 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                     const float4 sm = sm0[gj];
                     float sv, zv;
                     if (TWO) {
+                        const float ds = __half2float(sw[(gj / 16) * 32 + lane]);
                         const uint32_t u = reinterpret_cast<const uint16_t*>(st + GV_SC_OFF + 64 * jj)[lane];
                         gv_two_scales(u, ds, four, sv, zv);
                     } else {
@@ -355,48 +409,51 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                     res = fmaf(zv, sm.x, fmaf(sv, v, res));
                 }
                 __syncwarp();
-                if (i + GV_STAGES < NI) {
-                    if ((i + GV_STAGES) % nch == 0) {  // the next pair's first chunk: its descriptors
+                ++consumed;
+                g += cnt;
+                // Refill: this pair and the next (whose descriptors the pair's start staged),
+                // never further, so the descriptor buffers are not overtaken.
+                while (issued - consumed < GV_STAGES && ip < npc && ip <= j + 1) {
+                    if (ip == j + 1 && !next_meta) {
                         cp_async_wait<0>();
                         __syncwarp();
+                        next_meta = true;
                     }
                     if (lane == 0) fence_proxy_async();
-                    issue(i + GV_STAGES);
+                    issue_next();
                 }
             }
             red_sh[j & 1][warp][(lane >> 2) + 8 * t] = res;
         } else if (outl && (ob == 0 || rb_of(j, 1) != rb_of(j, 0))) {
-            // Outliers: lane = row, its run of entries in order (eight entries' loads in flight).
-            if (NB == 2 && j + 1 < npc) {
-                row_run(j + 1, n_lo, n_hi);
-                stage_entries(j + 1);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            __syncwarp();
-            const uint32_t* ent = ent_sh + ((j % NB) * 2 + ob) * EC - e_lo;
+            // Outliers: lane = row, its run of entries in order, eight in flight.
+            if (j + 1 < npc) row_run(j + 1, n_lo, n_hi);
+            const uint32_t* ent = entries + (size_t)rb_of(j, ob) * E;
             float part = 0.f;
+            uint32_t v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = o_lo + u < o_hi ? __ldg(ent + o_lo + u) : 0u;
             for (int e0 = o_lo; e0 < o_hi; e0 += 8) {
-                uint32_t v[8];
                 float xv[8];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) v[u] = e0 + u < o_hi ? ent[e0 + u] : 0u;
+                for (int u = 0; u < 8; ++u) {
+                    const int col = (int)(v[u] & 0xffffu);
+                    xv[u] = e0 + u < o_hi ? xin(col, __half2float(__ldg(x + col))) : 0.f;
+                }
+                uint32_t nv[8];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) xv[u] = e0 + u < o_hi ? __half2float(x[v[u] & 0xffffu]) : 0.f;
+                for (int u = 0; u < 8; ++u) nv[u] = e0 + 8 + u < o_hi ? __ldg(ent + e0 + 8 + u) : 0u;
 #pragma unroll
-                for (int u = 0; u < 8; ++u)
+                for (int u = 0; u < 8; ++u) {
                     part = fmaf(__half2float(__ushort_as_half((unsigned short)(v[u] >> 16))), xv[u], part);
+                    v[u] = nv[u];
+                }
             }
             red_sh[j & 1][warp][lane] = part;
             o_lo = n_lo;
             o_hi = n_hi;
         } else if (ob >= 0) {
             red_sh[j & 1][warp][lane] = 0.f;
-            if (outl && NB == 2 && j + 1 < npc) {  // keep this warp's entry buffers in step
-                row_run(j + 1, n_lo, n_hi);
-                stage_entries(j + 1);
-            }
+            if (outl && j + 1 < npc) row_run(j + 1, n_lo, n_hi);
             o_lo = n_lo;
             o_hi = n_hi;
         }
@@ -435,8 +492,13 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                 for (int bb = 0; bb < 2; ++bb) {
                     if (bb == 1 && r1 == r0) continue;
                     const int o = (bb ? r1 : r0) * 32 + lane;
-                    if (EPI == 1) reinterpret_cast<float*>(y_out)[o] = tot[bb];
-                    else reinterpret_cast<__half*>(y_out)[o] = __float2half_rn(tot[bb]);
+                    if (EPI == 1) {
+                        reinterpret_cast<float*>(y_out)[o] = tot[bb];
+                    } else {
+                        float yv = tot[bb];
+                        if (add != nullptr) yv = __half2float(__float2half_rn(yv)) + __half2float(add[o]);
+                        reinterpret_cast<__half*>(y_out)[o] = __float2half_rn(yv);
+                    }
                 }
             }
         }
@@ -451,9 +513,10 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
 #define TILES_GEMV(NAME, TWO, EPI)                                                                            \
     extern "C" __global__ void __launch_bounds__(GV_THREADS, 1)                                               \
         NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
-             const __half* plain, const uint32_t* entries, const uint32_t* row_end, void* y, int n, int k, int H,  \
-             int E, int group, int ks, int parts) {                                                           \
-        tiles_gemv<TWO, EPI>(x, codes, desc, sc, sup, plain, entries, row_end, y, n, k, H, E, group, ks, parts); \
+             const __half* plain, const uint32_t* entries, const uint32_t* row_end, const __half* nw,             \
+             const __half* add, float eps, void* y, int n, int k, int H, int E, int group, int ks, int parts) {   \
+        tiles_gemv<TWO, EPI>(x, codes, desc, sc, sup, plain, entries, row_end, nw, add, eps, y, n, k, H, E, group, \
+                             ks, parts);                                                                      \
     }
 
 TILES_GEMV(tiles_gemv_two_f16, true, 0)

@@ -5,15 +5,17 @@
 //!
 //! Differences from stock candle that a user can rely on:
 //! - the KV cache is preallocated and written in place (no `Tensor::cat` per step);
-//! - residual adds are fused into the next RMSNorm (`ops::add_rms_norm`); Q, K and V are
-//!   one projection, gate and up another;
+//! - residual adds are fused into the next RMSNorm (`ops::add_rms_norm`), or, where a
+//!   projection adds the residual in its epilogue and the next computes the norm in its
+//!   prologue (tiled formats at one token), into those two kernels
+//!   ([`QLinear::forward_residual_norm`]); Q, K and V are one projection, gate and up another;
 //! - batches of prompts of different lengths work: left-pad them and call
 //!   [`Cache::set_left_padding`]; masks and RoPE positions then skip the padding.
 
-use crate::formats::{Activation, InputEncoding, WeightFormat};
+use crate::formats::{Activation, WeightFormat};
 use crate::kv::{causal_mask, KvCache};
 use crate::linear::QLinear;
-use crate::ops::{add_rms_norm_as, embed_gather, rms_norm_as, StepPositions};
+use crate::ops::{embed_gather, rms_norm_as, StepPositions};
 use candle_core::{DType, IndexOp, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -147,7 +149,7 @@ impl Attention {
             }
         };
         obs.linear_input(layer, Slot::O, &y)?;
-        self.o.forward(&y)
+        Ok(y)
     }
 }
 
@@ -159,7 +161,8 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Activation, layer: usize, obs: &mut dyn Observer) -> Result<Tensor> {
+    /// The down projection's input, `silu(gate) · up`.
+    fn forward(&self, x: &Activation, layer: usize, obs: &mut dyn Observer) -> Result<Activation> {
         if let Activation::Dense(d) = x {
             obs.linear_input(layer, Slot::GateUp, d)?;
         }
@@ -169,7 +172,7 @@ impl Mlp {
         if let Activation::Dense(d) = &h {
             obs.linear_input(layer, Slot::Down, d)?;
         }
-        self.down.forward_act(&h)
+        Ok(h)
     }
 }
 
@@ -231,22 +234,24 @@ impl Block {
     fn forward(
         &self,
         (res, xn): (&Tensor, &Activation),
-        next: (&Tensor, InputEncoding),
+        next: (&Tensor, &QLinear),
         kv: &mut KvCache,
         ctx: &StepCtx,
         (layer, eps): (usize, f32),
         obs: &mut dyn Observer,
     ) -> Result<(Tensor, Activation)> {
-        let a = self.attn.forward(xn, kv, ctx, layer, obs)?;
-        let (res, xn) = add_rms_norm_as(
-            &a,
+        let y = self.attn.forward(xn, kv, ctx, layer, obs)?;
+        let (res, xn) = self.attn.o.forward_residual_norm(
+            &Activation::Dense(y),
             res,
             &self.mlp_norm,
             eps,
-            self.mlp.gate_up.input_encoding(),
+            &self.mlp.gate_up,
         )?;
-        let m = self.mlp.forward(&xn, layer, obs)?;
-        add_rms_norm_as(&m, &res, next.0, eps, next.1)
+        let h = self.mlp.forward(&xn, layer, obs)?;
+        self.mlp
+            .down
+            .forward_residual_norm(&h, &res, next.0, eps, next.1)
     }
 }
 
@@ -528,7 +533,7 @@ impl Llama {
             mask: mask.as_ref(),
         };
         let xn = self.layers(&input_ids.flatten_all()?, (b, seq), &ctx, &mut cache.kvs)?;
-        Ok(xn.dense()?.clone())
+        xn.to_dense()
     }
 
     /// The embedding of `ids` `[b, seq]` and its first norm: the state before block 0,
@@ -539,20 +544,29 @@ impl Llama {
         let Some(first) = self.blocks.first() else {
             candle_core::bail!("model has no layers")
         };
-        let xn = rms_norm_as(
-            &res,
-            &first.attn_norm,
-            self.eps,
-            first.attn.qkv.input_encoding(),
-        )?;
+        let xn = if first.attn.qkv.takes_normed(b * seq, res.dtype()) {
+            Activation::Normed {
+                h: res.clone(),
+                w: first.attn_norm.clone(),
+                eps: self.eps,
+            }
+        } else {
+            rms_norm_as(
+                &res,
+                &first.attn_norm,
+                self.eps,
+                first.attn.qkv.input_encoding(),
+            )?
+        };
         Ok((res, xn))
     }
 
-    /// The norm and encoding after block `i`: the next block's input norm, or the final one.
-    fn next_norm(&self, i: usize) -> (&Tensor, InputEncoding) {
+    /// The norm after block `i` and the projection that reads it: the next block's input
+    /// norm and QKV projection, or the final norm and the output head.
+    fn next_norm(&self, i: usize) -> (&Tensor, &QLinear) {
         match self.blocks.get(i + 1) {
-            Some(b) => (&b.attn_norm, b.attn.qkv.input_encoding()),
-            None => (&self.norm, self.lm_head.input_encoding()),
+            Some(b) => (&b.attn_norm, &b.attn.qkv),
+            None => (&self.norm, &self.lm_head),
         }
     }
 
@@ -624,7 +638,9 @@ impl Llama {
     /// o, gate/up with SiLU·mul, and down projections, one decode attention that also does
     /// RoPE + KV append; at batch > 1 the projections are cuBLAS's and SiLU·mul its own
     /// launch) and 5 more per token (embedding, first norm, output head, logits copy,
-    /// position advance); other formats take the paths their plans say. Writes f32 logits
+    /// position advance); other formats take the paths their plans say (the tiled formats at
+    /// batch 1: 5 per layer, the residual adds and norms inside the projections; the first
+    /// norm inside the first QKV projection). Writes f32 logits
     /// `[b, vocab]` into `logits` and advances `pos` by one. Every launch reads its inputs
     /// from device buffers that outlive a captured graph.
     pub(crate) fn decode_step_into(
@@ -652,7 +668,7 @@ impl Llama {
         let xn = self.layers(ids, (b, 1), &ctx, &mut cache.kvs)?;
         let out = self
             .lm_head
-            .forward_f32(&xn.dense()?.reshape((b, self.hidden))?)?;
+            .forward_f32(&xn.to_dense()?.reshape((b, self.hidden))?)?;
         logits.slice_set(&out, 0, 0)?;
         crate::ops::advance_pos(pos, 1)
     }

@@ -234,16 +234,92 @@ impl QLinear {
         match x {
             Activation::Dense(t) => self.forward(t),
             Activation::W4a4(a) => self.add_bias(self.w.forward_quantized(a, a.dtype)?),
+            Activation::Normed { h, w, eps } => match self.normed(h, w, *eps, false) {
+                Some(y) => y,
+                None => self.forward(&x.to_dense()?),
+            },
         }
+    }
+
+    /// Whether this layer computes the norm of an [`Activation::Normed`] input of `m` rows of
+    /// `dtype` in its own kernel.
+    pub fn takes_normed(&self, m: usize, dtype: DType) -> bool {
+        self.b.is_none() && self.w.normed_ok(m, dtype)
+    }
+
+    /// The kernel-side norm of `h` (see [`LinearWeights::forward_normed`]), shaped as `h`.
+    fn normed(&self, h: &Tensor, w: &Tensor, eps: f32, silu: bool) -> Option<Result<Tensor>> {
+        let (n, k) = self.shape();
+        let m = h.elem_count() / k.max(1);
+        if !self.takes_normed(m, h.dtype()) || h.dim(candle_core::D::Minus1).ok()? != k {
+            return None;
+        }
+        let out = if silu { n / 2 } else { n };
+        let y = self
+            .w
+            .forward_normed(&h.reshape((m, k)).ok()?, w, eps, silu)?;
+        let mut dims = h.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = out;
+        }
+        Some(y.and_then(|y| y.reshape(dims)))
+    }
+
+    /// `x · Wᵀ + res` — the residual stream after this projection — and the input of the
+    /// projection `next`, `rms_norm(x · Wᵀ + res) · w` (eps `eps`), in the encoding `next`
+    /// reads. Where this layer adds the residual in its kernel's epilogue and `next`
+    /// computes the norm in its own (tiled formats at one token, sm_90 builds), the norm is
+    /// left to `next` ([`Activation::Normed`]) and no add + RMSNorm kernel runs in between;
+    /// otherwise this projection, then the fused add + RMSNorm.
+    pub fn forward_residual_norm(
+        &self,
+        x: &Activation,
+        res: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        next: &QLinear,
+    ) -> Result<(Tensor, Activation)> {
+        let (n, k) = self.shape();
+        if let Activation::Dense(t) = x {
+            let m = t.elem_count() / k.max(1);
+            if self.b.is_none()
+                && next.takes_normed(m, t.dtype())
+                && t.dim(candle_core::D::Minus1)? == k
+                && res.dims() == [&t.dims()[..t.rank() - 1], &[n]].concat()
+            {
+                if let Some(h) = self
+                    .w
+                    .forward_add(&t.reshape((m, k))?, &res.reshape((m, n))?)
+                {
+                    let h = h?.reshape(res.shape())?;
+                    let xn = Activation::Normed {
+                        h: h.clone(),
+                        w: w.clone(),
+                        eps,
+                    };
+                    return Ok((h, xn));
+                }
+            }
+        }
+        let a = self.forward_act(x)?;
+        crate::ops::add_rms_norm_as(&a, res, w, eps, next.input_encoding())
     }
 
     /// A gate/up layer's `silu(gate) · up` in the encoding the next projection reads
     /// (`next`): the fused epilogue for a dense one, the SiLU·mul fused into the W4A4
     /// activation quantizer for a W4A4 one.
     pub fn forward_silu_mul_as(&self, x: &Activation, next: &InputEncoding) -> Result<Activation> {
+        if let (InputEncoding::Dense, Activation::Normed { h, w, eps }) = (next, x) {
+            if let Some(y) = self.normed(h, w, *eps, true) {
+                return Ok(Activation::Dense(y?));
+            }
+        }
         match (next, x) {
             (InputEncoding::Dense, Activation::Dense(t)) => {
                 Ok(Activation::Dense(self.forward_silu_mul(t)?))
+            }
+            (InputEncoding::Dense, Activation::Normed { .. }) => {
+                Ok(Activation::Dense(self.forward_silu_mul(&x.to_dense()?)?))
             }
             (InputEncoding::Dense, _) => Ok(Activation::Dense(crate::ops::silu_mul(
                 &self.forward_act(x)?,

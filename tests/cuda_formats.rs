@@ -508,3 +508,108 @@ fn tile_gemv_matches_cpu_and_skinny_kernel() -> Result<()> {
     }
     Ok(())
 }
+
+/// The one-token GEMV with the RMSNorm in its prologue (`forward_normed`, with and without the
+/// SiLU·mul epilogue) and the residual added in its epilogue (`forward_add`), against the
+/// CPU reference of the same arithmetic (the norm rounded to f16 as `ops::add_rms_norm`
+/// rounds it) and against the unfused kernels on the GPU; w2416 random and quantized, int4
+/// and int2 in tiles, several cluster sizes; a shape the fused paths do not take says so.
+#[test]
+fn tile_gemv_fuses_norm_and_residual() -> Result<()> {
+    use candle_lowbit::formats::w2416::W2416Config;
+    use candle_lowbit::formats::Epilogue;
+    use candle_lowbit::ops::force_gemv;
+    let (cpu, dev) = (Device::Cpu, gpu()?);
+    let shapes = [
+        (128usize, 4096usize, 3.0f64, 0.005f64),
+        (96, 1000, 3.3, 0.01),
+        (352, 576, 3.0, 0.005),
+    ]
+    .map(|(n, k, bits, outliers)| (n, k, W2416Config { bits, outliers }));
+    let eps = 1e-5f32;
+    for l in &tile_layers(&shapes, 300)? {
+        let (n, k) = l.shape();
+        let g = to_gpu(l.as_ref(), &dev)?;
+        let what = format!("{} [{n}, {k}]", l.encoding());
+        let tol = l.format().spec().tolerance as f32;
+        let wc = l.dequantize()?;
+        assert!(g.normed_ok(1, DType::F16), "{what}: the GEMV takes a norm");
+        assert!(!g.normed_ok(2, DType::F16) && !l.normed_ok(1, DType::F16));
+        // The residual stream h, the norm weight, the residual to add (f16).
+        let h = randn(11 + k as u64, &[1, k], 2.0, DType::F16, &cpu)?;
+        let nw =
+            (randn(12 + k as u64, &[k], 0.2, DType::F32, &cpu)? + 1.0)?.to_dtype(DType::F16)?;
+        let res = randn(13 + n as u64, &[1, n], 1.0, DType::F16, &cpu)?;
+        // CPU: xn = f16(h * rsqrt(mean(h^2) + eps) * w), then W xn (f32), then the add.
+        let hv: Vec<f32> = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let wv: Vec<f32> = nw.to_dtype(DType::F32)?.to_vec1()?;
+        let inv = 1.0 / (hv.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
+        let xn: Vec<f32> = hv
+            .iter()
+            .zip(&wv)
+            .map(|(v, w)| half::f16::from_f32(v * inv * w).to_f32())
+            .collect();
+        let xn = Tensor::from_vec(xn, (1, k), &cpu)?;
+        let want = xn.matmul(&wc.t()?)?;
+        let x = randn(14 + k as u64, &[1, k], 1.0, DType::F16, &cpu)?;
+        let want_add = (x
+            .to_dtype(DType::F32)?
+            .matmul(&wc.t()?)?
+            .to_dtype(DType::F16)?
+            .to_dtype(DType::F32)?
+            + res.to_dtype(DType::F32)?)?;
+        let (hg, nwg, xg, resg) = (
+            h.to_device(&dev)?,
+            nw.to_device(&dev)?,
+            x.to_device(&dev)?,
+            res.to_device(&dev)?,
+        );
+        let xng = xn.to_dtype(DType::F16)?.to_device(&dev)?;
+        for (ks, cl) in [(0usize, 0usize), (1, 0), (2, 0), (1, 1)] {
+            force_gemv(if ks == 0 { None } else { Some((ks, cl)) });
+            let y = g
+                .forward_normed(&hg, &nwg, eps, false)
+                .expect("normed path");
+            let unfused = g.forward(&xng);
+            let silu = if (n / 2) % 32 == 0 && n % 64 == 0 {
+                Some((
+                    g.forward_normed(&hg, &nwg, eps, true)
+                        .expect("normed SiLU·mul"),
+                    g.forward_fused(Epilogue::SiluMul, &xng)
+                        .expect("SiLU·mul epilogue"),
+                ))
+            } else {
+                None
+            };
+            let added = g.forward_add(&xg, &resg).expect("residual path");
+            force_gemv(None);
+            let (y, unfused) = (y?, unfused?);
+            let (e, m) = rel_err(&y, &want)?;
+            assert!(e < tol, "{what}: normed ks {ks}: rel {e} (max |diff| {m})");
+            let (e, _) = rel_err(&y, &unfused)?;
+            assert!(
+                e < 2e-3,
+                "{what}: normed ks {ks} against the unfused GEMV: rel {e}"
+            );
+            if let Some((a, b)) = silu {
+                let (e, _) = rel_err(&a?, &b?)?;
+                assert!(e < 4e-3, "{what}: normed SiLU·mul ks {ks}: rel {e}");
+            }
+            let (e, m) = rel_err(&added?, &want_add)?;
+            assert!(
+                e < tol,
+                "{what}: residual ks {ks}: rel {e} (max |diff| {m})"
+            );
+        }
+        println!("{what}: fused norm and residual ok");
+    }
+    // Odd k has no fused norm (the kernel reads pairs): the layer says so.
+    use candle_lowbit::formats::w2416::{self, W2416Weights};
+    let odd = W2416Weights::new(
+        WeightFormat::W2416,
+        w2416::random(64, 999, &W2416Config::default(), 400, &cpu)?,
+    );
+    let g = to_gpu(&odd, &dev)?;
+    assert!(!g.normed_ok(1, DType::F16));
+    Ok(())
+}

@@ -171,9 +171,11 @@ impl Plan {
     }
 }
 
-/// What a projection reads: dense activations, or activations a norm or an epilogue has
-/// already quantized for it (W4A4). The norms and epilogues that produce them dispatch on
-/// [`InputEncoding`] inside `ops`, so the model keeps one code path.
+/// What a projection reads: dense activations, activations a norm or an epilogue has
+/// already quantized for it (W4A4), or a norm it computes itself (`Normed`). The norms and
+/// epilogues that produce them dispatch on [`InputEncoding`] inside `ops`, and
+/// [`QLinear::forward_residual_norm`](crate::QLinear::forward_residual_norm) on what the next
+/// projection takes, so the model keeps one code path.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Activation {
@@ -181,6 +183,10 @@ pub enum Activation {
     Dense(Tensor),
     /// Codes and scales for a W4A4 projection (`[.., k]` logically).
     W4a4(w4a4::QuantAct),
+    /// `rms_norm(h) · w` (`h` `[.., k]`, `w` `[k]`), not yet computed: the projection that
+    /// reads it computes the norm in its own kernel's prologue (one token through the tiled
+    /// formats' GEMV) or, where it cannot, first.
+    Normed { h: Tensor, w: Tensor, eps: f32 },
 }
 
 impl Activation {
@@ -193,6 +199,20 @@ impl Activation {
                  takes `QLinear::forward_act`)",
                 q.dims
             ),
+            Self::Normed { h, .. } => candle_core::bail!(
+                "expected dense activations, got a norm of {:?} left to the projection (it \
+                 takes `QLinear::forward_act`; `Activation::to_dense` computes it)",
+                h.shape()
+            ),
+        }
+    }
+
+    /// The activations as a dense tensor: a pending norm is computed; W4A4 codes are an
+    /// error, as in [`Activation::dense`].
+    pub fn to_dense(&self) -> Result<Tensor> {
+        match self {
+            Self::Normed { h, w, eps } => candle_nn::ops::rms_norm(h, w, *eps),
+            _ => self.dense().cloned(),
         }
     }
 
@@ -201,6 +221,7 @@ impl Activation {
         match self {
             Self::Dense(t) => t.dims(),
             Self::W4a4(q) => &q.dims,
+            Self::Normed { h, .. } => h.dims(),
         }
     }
 
@@ -260,6 +281,33 @@ pub trait LinearWeights: std::fmt::Debug + Send + Sync {
     /// What this projection reads.
     fn input_encoding(&self) -> InputEncoding {
         InputEncoding::Dense
+    }
+
+    /// Whether [`LinearWeights::forward_normed`] takes `m` rows of `dtype`.
+    fn normed_ok(&self, m: usize, dtype: DType) -> bool {
+        let _ = (m, dtype);
+        false
+    }
+
+    /// `rms_norm(h) · w` (eps `eps`) · Wᵀ for `h` `[m, k]`, the norm computed in the kernel
+    /// (no launch of its own), with the SiLU·mul epilogue where `silu`; `None` where
+    /// [`LinearWeights::normed_ok`] does not hold.
+    fn forward_normed(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        silu: bool,
+    ) -> Option<Result<Tensor>> {
+        let _ = (h, w, eps, silu);
+        None
+    }
+
+    /// `x · Wᵀ + res` (`res` `[m, n]`) with the residual added in the kernel's epilogue;
+    /// `None` where this layer cannot for this input.
+    fn forward_add(&self, x: &Tensor, res: &Tensor) -> Option<Result<Tensor>> {
+        let _ = (x, res);
+        None
     }
 
     /// `forward` of activations already quantized for this layer (formats whose

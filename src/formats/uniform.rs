@@ -567,6 +567,27 @@ impl LinearWeights for UniformWeights {
         crate::ops::tiles_fused(self.tiles()?, e, x)
     }
 
+    fn normed_ok(&self, m: usize, dtype: DType) -> bool {
+        dtype == DType::F16
+            && self
+                .tiles()
+                .is_some_and(|t| crate::ops::tiles_fuse_ok(t, m))
+    }
+
+    fn forward_normed(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        silu: bool,
+    ) -> Option<Result<Tensor>> {
+        crate::ops::tiles_normed(self.tiles()?, h, w, eps, silu)
+    }
+
+    fn forward_add(&self, x: &Tensor, res: &Tensor) -> Option<Result<Tensor>> {
+        crate::ops::tiles_add(self.tiles()?, x, res)
+    }
+
     fn plan(&self) -> Plan {
         if let Some(t) = self.tiles() {
             return crate::ops::tiles_plan(t, self.format);

@@ -1353,6 +1353,24 @@ impl LinearWeights for W2416Weights {
         crate::ops::tiles_fused(&self.tiles, e, x)
     }
 
+    fn normed_ok(&self, m: usize, dtype: DType) -> bool {
+        dtype == DType::F16 && crate::ops::tiles_fuse_ok(&self.tiles, m)
+    }
+
+    fn forward_normed(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        silu: bool,
+    ) -> Option<Result<Tensor>> {
+        crate::ops::tiles_normed(&self.tiles, h, w, eps, silu)
+    }
+
+    fn forward_add(&self, x: &Tensor, res: &Tensor) -> Option<Result<Tensor>> {
+        crate::ops::tiles_add(&self.tiles, x, res)
+    }
+
     fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
         Ok(self.tiles.tensors())
     }

@@ -26,7 +26,8 @@ pub use stream_read::{stream_read, stream_read_blocks, xor_fold, StreamRead, STR
 #[doc(hidden)]
 pub use tiles::force_gemm_tokens;
 pub use tiles::{
-    tiles_dequantize, tiles_forward, tiles_fused, tiles_plan, TILES_GEMM_MAX_M, TILES_MAX_M,
+    tiles_add, tiles_dequantize, tiles_forward, tiles_fuse_ok, tiles_fused, tiles_normed,
+    tiles_plan, TILES_GEMM_MAX_M, TILES_MAX_M,
 };
 #[doc(hidden)]
 pub use tiles_gemv::{force_gemv, gemv_plan, GemvPlan};

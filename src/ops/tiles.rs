@@ -16,7 +16,7 @@
 //! `=0` at none). The CPU runs the reference ([`Tiles::dequantize_ref`] then a matmul in f32).
 
 use super::contiguous_slice;
-use super::tiles_gemv::gemv_ok;
+use super::tiles_gemv::{gemv_fits, gemv_ok};
 use crate::formats::w2416::Tiles;
 use crate::formats::{Epilogue, Plan, WeightFormat};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
@@ -31,6 +31,21 @@ pub(super) enum Epi {
     F16,
     F32,
     SiluMul,
+}
+
+/// Extra inputs of the one-token kernel (`super::tiles_gemv`): its input is
+/// `rms_norm(x) · w` (`norm`: the weight `[k]` and eps), and `add` `[n]` is added to its f16
+/// output (a residual).
+#[derive(Debug, Clone, Default)]
+pub(super) struct Fuse {
+    pub norm: Option<(Tensor, f32)>,
+    pub add: Option<Tensor>,
+}
+
+impl Fuse {
+    fn is_empty(&self) -> bool {
+        self.norm.is_none() && self.add.is_none()
+    }
 }
 
 fn on_cuda(t: &Tiles) -> bool {
@@ -218,7 +233,7 @@ pub fn tiles_fused(t: &Tiles, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>>
     match e {
         Epilogue::F32Out => Some(tiles_matmul(t, x, Epi::F32)),
         Epilogue::SiluMul => {
-            if !(t.n / 2).is_multiple_of(32) || !t.n.is_multiple_of(64) {
+            if !silu_ok(t) {
                 return None;
             }
             Some(tiles_matmul(t, x, Epi::SiluMul))
@@ -226,9 +241,65 @@ pub fn tiles_fused(t: &Tiles, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>>
     }
 }
 
+/// Whether one token of `m` rows takes a norm in the kernel's prologue or a residual add in
+/// its epilogue ([`tiles_normed`], [`tiles_add`]): the one-token GEMV (GPU, sm_90 build,
+/// `m` = 1) and an even `k`; `CANDLE_LOWBIT_FUSE_NORM=0` turns both off (read once).
+pub fn tiles_fuse_ok(t: &Tiles, m: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("CANDLE_LOWBIT_FUSE_NORM").as_deref() == Ok("0"));
+    !off && on_cuda(t) && m == 1 && gemv_ok(t) && t.k.is_multiple_of(2) && gemv_fits(t)
+}
+
+/// `rms_norm(h) · w` (eps `eps`) times Wᵀ for one token `h` f16 `[1, k]`, with the SiLU·mul
+/// epilogue where `silu`, in one launch: the norm is computed in the kernel's prologue
+/// (rounded as `ops::add_rms_norm` rounds it). `None` where [`tiles_fuse_ok`] does not hold
+/// (in particular on the CPU, whose reference is the unfused composition).
+pub fn tiles_normed(
+    t: &Tiles,
+    h: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    silu: bool,
+) -> Option<Result<Tensor>> {
+    let m = h.dims2().ok()?.0;
+    if !tiles_fuse_ok(t, m) || h.dtype() != DType::F16 || (silu && !silu_ok(t)) {
+        return None;
+    }
+    let epi = if silu { Epi::SiluMul } else { Epi::F16 };
+    let fuse = Fuse {
+        norm: Some((w.clone(), eps)),
+        add: None,
+    };
+    Some(tiles_matmul_with(t, h, epi, fuse))
+}
+
+/// `x · Wᵀ + res` for one token (`x` f16 `[1, k]`, `res` f16 `[1, n]`), the residual added in
+/// the kernel's epilogue (rounded as `ops::add_rms_norm` adds it). `None` where
+/// [`tiles_fuse_ok`] does not hold.
+pub fn tiles_add(t: &Tiles, x: &Tensor, res: &Tensor) -> Option<Result<Tensor>> {
+    let m = x.dims2().ok()?.0;
+    if !tiles_fuse_ok(t, m) || x.dtype() != DType::F16 {
+        return None;
+    }
+    let fuse = Fuse {
+        norm: None,
+        add: Some(res.clone()),
+    };
+    Some(tiles_matmul_with(t, x, Epi::F16, fuse))
+}
+
+fn silu_ok(t: &Tiles) -> bool {
+    (t.n / 2).is_multiple_of(32) && t.n.is_multiple_of(64)
+}
+
 /// The kernels, validated: `x` f16 `[m <= 16, k]` on the GPU, or (plain f16 output) any
 /// `m` where the large-m GEMM applies.
 fn tiles_matmul(t: &Tiles, x: &Tensor, epi: Epi) -> Result<Tensor> {
+    tiles_matmul_with(t, x, epi, Fuse::default())
+}
+
+/// [`tiles_matmul`] with the one-token kernel's extra inputs (`fuse`: one row only).
+fn tiles_matmul_with(t: &Tiles, x: &Tensor, epi: Epi, fuse: Fuse) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     let skinny = (1..=TILES_MAX_M).contains(&m);
     if x.dtype() != DType::F16
@@ -244,9 +315,13 @@ fn tiles_matmul(t: &Tiles, x: &Tensor, epi: Epi) -> Result<Tensor> {
             t.k
         )
     }
+    if !fuse.is_empty() && m != 1 {
+        candle_core::bail!("tiles_matmul: a fused norm or residual takes one row, got {m}")
+    }
     x.contiguous()?.apply_op1_no_bwd(&TilesMatmul {
         tiles: t.clone(),
         epi,
+        fuse,
     })
 }
 
@@ -273,6 +348,7 @@ fn to_storage(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
 struct TilesMatmul {
     tiles: Tiles,
     epi: Epi,
+    fuse: Fuse,
 }
 
 impl CustomOp1 for TilesMatmul {
@@ -281,6 +357,9 @@ impl CustomOp1 for TilesMatmul {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        if !self.fuse.is_empty() {
+            candle_core::bail!("tiles_matmul: a fused norm or residual runs on the GPU only")
+        }
         let (m, k) = l.shape().dims2()?;
         let n = self.tiles.n;
         let x: Vec<f32> = match s {
@@ -322,11 +401,16 @@ impl CustomOp1 for TilesMatmul {
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let m = l.shape().dims2()?.0;
+        if m == 1 && gemv_ok(&self.tiles) {
+            return super::tiles_gemv::gemv(&self.tiles, self.epi, &self.fuse, s, l);
+        }
+        if !self.fuse.is_empty() {
+            candle_core::bail!(
+                "tiles_matmul: a fused norm or residual needs the one-token GEMV (m = 1, sm_90 build)"
+            )
+        }
         if m > super::TILES_MAX_M {
             return cuda::gemm(&self.tiles, s, l);
-        }
-        if m == 1 && gemv_ok(&self.tiles) {
-            return super::tiles_gemv::gemv(&self.tiles, self.epi, s, l);
         }
         cuda::matmul(&self.tiles, self.epi, s, l)
     }
@@ -433,7 +517,7 @@ pub(super) mod cuda {
     type Stream = std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>;
 
     /// Device address of an optional tensor (0 where absent), with its guard kept by `f`.
-    fn with_opt<T: CudaDType + DeviceRepr, R>(
+    pub(in crate::ops) fn with_opt<T: CudaDType + DeviceRepr, R>(
         t: Option<&Tensor>,
         what: &str,
         stream: &Stream,

@@ -22,6 +22,19 @@ pub(super) fn gemv_ok(t: &Tiles) -> bool {
     !off && crate::kernels::wgmma_built() && t.bulk_aligned()
 }
 
+/// Whether the GEMV's default split of `t` fits a block's shared memory on `t`'s GPU (it
+/// does but for very wide rows; where it does not, one token takes the skinny kernel).
+pub(super) fn gemv_fits(t: &Tiles) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = t.device() {
+        let nc = crate::formats::w2416::tile_cols(t.k).div_ceil(2);
+        return crate::kernels::sm_count(&d)
+            .is_ok_and(|sms| gemv_plan((t.n / 32).div_ceil(2), nc, sms, None, 0).is_some());
+    }
+    let _ = t;
+    false
+}
+
 thread_local! {
     static GEMV_FORCE: std::cell::Cell<Option<(usize, usize)>> = const { std::cell::Cell::new(None) };
 }
@@ -39,9 +52,10 @@ pub fn force_gemv(mode: Option<(usize, usize)>) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const GV_THREADS: u32 = 18 * 32;
 
-/// Static shared memory of `tiles_gemv` (its partial sums: f32 [2][18][32] and [2][2][32]),
-/// which a block's dynamic shared memory must leave room for.
-const GV_STATIC_SMEM: usize = 4 * (2 * 18 * 32 + 2 * 2 * 32);
+/// Static shared memory of `tiles_gemv` (its partial sums, f32 [2][18][32] and [2][2][32],
+/// and its chunk records, u32 [16][4]), which a block's dynamic shared memory must leave
+/// room for.
+const GV_STATIC_SMEM: usize = 4 * (2 * 18 * 32 + 2 * 2 * 32 + 16 * 4);
 
 /// Shared memory one block may have (sm_90).
 const SMEM_PER_BLOCK: usize = 227 * 1024;
@@ -60,13 +74,13 @@ pub struct GemvPlan {
 
 /// Dynamic shared memory of `tiles_gemv` (the layout in cuda/tiles_gemv.cu): the warps'
 /// rings (16 warps x 4 stages of 2304 bytes) and barriers, then for `c` columns x in
-/// fragment order and its sums, `nb` buffers of two blocks' descriptors, outlier entries
-/// (`ec` per block) and the warps' super scales.
-fn gemv_smem(c: usize, ec: usize, nb: usize, parts: usize) -> usize {
+/// fragment order and its sums, `nb` buffers of two blocks' descriptors and the warps'
+/// super scales (outlier entries are read from global memory).
+fn gemv_smem(c: usize, nb: usize, parts: usize) -> usize {
     const WARPS: usize = 16;
     WARPS * 4 * (2304 + 8)
         + c * (128 + 16)
-        + nb * (2 * c * 4 + 2 * ec * 4)
+        + nb * 2 * c * 4
         + nb * WARPS * (c / (16 * parts) + 3) * 64
 }
 
@@ -82,7 +96,6 @@ fn gemv_smem(c: usize, ec: usize, nb: usize, parts: usize) -> usize {
 pub fn gemv_plan(
     np: usize,
     nc: usize,
-    e: usize,
     sms: usize,
     ks: Option<usize>,
     most: usize,
@@ -95,11 +108,7 @@ pub fn gemv_plan(
         let ncl = (sms / ks).clamp(1, np.max(1));
         let ncl = if most > 0 { ncl.min(most) } else { ncl };
         let per = np.div_ceil(ncl);
-        let (c, ec, nb) = (
-            2 * nc.div_ceil(ks),
-            e.div_ceil(ks),
-            if per > 1 { 2 } else { 1 },
-        );
+        let (c, nb) = (2 * nc.div_ceil(ks), if per > 1 { 2 } else { 1 });
         let fewest = nc / ks; // chunks of the block with the fewest
         let Some(parts) = [8, 4, 2, 1]
             .into_iter()
@@ -107,7 +116,7 @@ pub fn gemv_plan(
         else {
             continue;
         };
-        let smem = gemv_smem(c, ec, nb, parts);
+        let smem = gemv_smem(c, nb, parts);
         if smem + GV_STATIC_SMEM > SMEM_PER_BLOCK {
             continue;
         }
@@ -140,20 +149,35 @@ mod cuda {
     use crate::formats::w2416::Tiles;
     use crate::kernels::{contiguous_view, dptr, ptx, sm_count, Arg};
     use crate::ops::tiles::cuda::{
-        launch_clustered, matmul, out_and_pairs, scale_tensors, variant, with_output, with_weights,
+        launch_clustered, matmul, out_and_pairs, scale_tensors, variant, with_opt, with_output,
+        with_weights,
     };
-    use crate::ops::tiles::{env_override, Epi};
+    use crate::ops::tiles::{env_override, Epi, Fuse};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::cuda_backend::CudaStorage;
-    use candle_core::{Layout, Result, Shape};
+    use candle_core::{Layout, Result, Shape, Tensor};
     use half::f16;
 
+    /// `t` is f16 with `len` values, or an error naming `what`.
+    fn check_vector(t: &Tensor, len: usize, what: &str) -> Result<()> {
+        if t.dtype() != candle_core::DType::F16 || t.elem_count() != len {
+            candle_core::bail!(
+                "tiles_gemv: {what} {:?} {:?} (want f16 with {len} values)",
+                t.shape(),
+                t.dtype()
+            )
+        }
+        Ok(())
+    }
+
     /// One token: `x` f16 `[1, k]` → y `[1, n]` (f16 or f32) or `[1, n / 2]` (SiLU·mul),
-    /// by `tiles_gemv` (validated by `tiles_matmul`; sm_90 builds).
+    /// by `tiles_gemv` (validated by `tiles_matmul`; sm_90 builds). `fuse`: the input is
+    /// `rms_norm(x) · norm` and, for f16 output, `add` is added to y (see the kernel).
     pub(in crate::ops) fn gemv(
         t: &Tiles,
         epi: Epi,
+        fuse: &Fuse,
         s: &CudaStorage,
         l: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
@@ -177,8 +201,14 @@ mod cuda {
             .map(|(ks, _)| ks)
             .or_else(|| env_override(&KS, "CANDLE_LOWBIT_GEMV_KS", |v| (1..=8).contains(&v)));
         let most = test.map_or(0, |(_, cl)| cl);
-        let Some(plan) = gemv_plan(pairs, g.div_ceil(2), e, sm_count(&dev)?, forced, most) else {
+        let Some(plan) = gemv_plan(pairs, g.div_ceil(2), sm_count(&dev)?, forced, most) else {
             // No split fits shared memory (very wide rows): the skinny kernel.
+            if fuse.norm.is_some() || fuse.add.is_some() {
+                candle_core::bail!(
+                    "tiles_gemv: no split of [{n}, {k}] fits shared memory, and the skinny kernel \
+                     has no fused norm or residual"
+                )
+            }
             return matmul(t, epi, s, l);
         };
         func.set_attribute(
@@ -192,15 +222,38 @@ mod cuda {
             block_dim: (GV_THREADS, 1, 1),
             shared_mem_bytes: plan.smem as u32,
         };
+        if let Some((w, _)) = &fuse.norm {
+            check_vector(w, k, "norm weight")?;
+            if !k.is_multiple_of(2) {
+                candle_core::bail!("tiles_gemv: a fused norm needs an even k, got {k}")
+            }
+        }
+        if let Some(r) = &fuse.add {
+            check_vector(r, n, "residual")?;
+            if epi != Epi::F16 {
+                candle_core::bail!("tiles_gemv: the residual is added to f16 outputs only")
+            }
+        }
+        let eps = fuse.norm.as_ref().map_or(0.0, |(_, e)| *e);
         let launch = |out: Arg| -> Result<()> {
             with_weights(t, &stream, |wa| {
-                let (xp, _gx) = dptr(&x, &stream);
-                let ints = [n, k, t.h4, e, group, ks, plan.parts].map(|v| Arg::I32(v as i32));
-                let mut args = vec![xp];
-                args.extend(wa);
-                args.push(out);
-                args.extend(ints);
-                unsafe { launch_clustered(&func, &stream, cfg, ks, &args) }
+                with_opt::<f16, _>(
+                    fuse.norm.as_ref().map(|(w, _)| w),
+                    "norm weight",
+                    &stream,
+                    |np| {
+                        with_opt::<f16, _>(fuse.add.as_ref(), "residual", &stream, |ap| {
+                            let (xp, _gx) = dptr(&x, &stream);
+                            let ints =
+                                [n, k, t.h4, e, group, ks, plan.parts].map(|v| Arg::I32(v as i32));
+                            let mut args = vec![xp];
+                            args.extend(wa);
+                            args.extend([np, ap, Arg::F32(eps), out]);
+                            args.extend(ints);
+                            unsafe { launch_clustered(&func, &stream, cfg, ks, &args) }
+                        })
+                    },
+                )
             })
         };
         let storage = with_output(&dev, epi, out_cols, launch)?;
