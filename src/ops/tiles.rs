@@ -247,7 +247,7 @@ pub fn tiles_fused(t: &Tiles, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>>
 pub fn tiles_fuse_ok(t: &Tiles, m: usize) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("CANDLE_LOWBIT_FUSE_NORM").as_deref() == Ok("0"));
-    !off && on_cuda(t) && m == 1 && gemv_ok(t) && t.k.is_multiple_of(2) && gemv_fits(t)
+    !off && on_cuda(t) && m == 1 && gemv_ok(t) && gemv_fits(t)
 }
 
 /// `rms_norm(h) · w` (eps `eps`) times Wᵀ for one token `h` f16 `[1, k]`, with the SiLU·mul
