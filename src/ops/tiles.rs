@@ -243,7 +243,7 @@ pub fn tiles_fused(t: &Tiles, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>>
 
 /// Whether one token of `m` rows takes a norm in the kernel's prologue or a residual add in
 /// its epilogue ([`tiles_normed`], [`tiles_add`]): the one-token GEMV (GPU, sm_90 build,
-/// `m` = 1) and an even `k`; `CANDLE_LOWBIT_FUSE_NORM=0` turns both off (read once).
+/// `m` = 1); `CANDLE_LOWBIT_FUSE_NORM=0` turns both off (read once).
 pub fn tiles_fuse_ok(t: &Tiles, m: usize) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("CANDLE_LOWBIT_FUSE_NORM").as_deref() == Ok("0"));
