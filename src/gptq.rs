@@ -41,7 +41,8 @@ pub struct GptqConfig {
     pub damp: f64,
     /// Columns per lazy batch update.
     pub block: usize,
-    /// Quantize columns in order of decreasing Hessian diagonal (static groups).
+    /// Quantize columns in order of decreasing Hessian diagonal (static groups), times the
+    /// rule's [`GroupRule::order_weight`] (1 unless the rule's precision varies by column).
     pub act_order: bool,
     /// Fit each group's range by a search for the least squared error instead of min/max
     /// (where the format's rule has one: `UniformRule::clipped`).
@@ -80,6 +81,14 @@ pub trait GroupRule: Sync {
     /// [`GroupRule::quantize`] for `c` columns starting at `col` (all in one group), as
     /// rows: `wt` `[c, n]` f32, `p` `[params(), n]` → (codes u8 `[c, n]`, values f32 `[c, n]`).
     fn quantize_t(&self, col: usize, wt: &Tensor, p: &Tensor) -> Result<(Tensor, Tensor)>;
+    /// A factor on column `col`'s activation-order key (its Hessian diagonal): where the
+    /// rule's precision varies by column (`w2416`), the mean squared step of its groups, so
+    /// that the columns whose rounding costs most go first and the finer ones, quantized
+    /// later, take up their error.
+    fn order_weight(&self, col: usize) -> f64 {
+        let _ = col;
+        1.0
+    }
 }
 
 /// A quantized weight: codes u8 `[n, k]`, the rule's parameters f32 `[n, groups, P]`, and
@@ -208,14 +217,20 @@ struct Order {
     dead: Vec<bool>,
 }
 
-fn order(diag: &[f64], cfg: &GptqConfig) -> Result<Order> {
+fn order(diag: &[f64], rule: &dyn GroupRule, cfg: &GptqConfig) -> Result<Order> {
     if cfg.block == 0 {
         candle_core::bail!("gptq: block must be at least 1")
     }
     let dead: Vec<bool> = diag.iter().map(|&d| d == 0.0).collect();
     let mut perm: Vec<usize> = (0..diag.len()).collect();
     if cfg.act_order {
-        let key = |i: usize| if dead[i] { 1.0 } else { diag[i] };
+        let key = |i: usize| {
+            if dead[i] {
+                1.0
+            } else {
+                diag[i] * rule.order_weight(i)
+            }
+        };
         perm.sort_by(|&a, &b| key(b).total_cmp(&key(a)));
     }
     Ok(Order { perm, dead })
@@ -423,6 +438,7 @@ pub fn gptq_ref(
     let hv = host_f32(h)?;
     let prep = order(
         &(0..k).map(|i| hv[i * k + i] as f64).collect::<Vec<_>>(),
+        rule,
         cfg,
     )?;
     let (u, damp) = hinv_upper(&permuted(&hv, k, &prep), k, cfg.damp)?;
@@ -539,7 +555,7 @@ pub fn gptq_tensor(
     let (n, k) = check(w, h, rule, cfg)?;
     let dev = w.device().clone();
     let h = h.to_dtype(DType::F32)?;
-    let prep = order(&diag_of(&h)?, cfg)?;
+    let prep = order(&diag_of(&h)?, rule, cfg)?;
     let fix: Vec<f32> = prep
         .dead
         .iter()
