@@ -15,7 +15,7 @@
 use crate::formats::{Activation, WeightFormat};
 use crate::kv::{causal_mask, KvCache};
 use crate::linear::QLinear;
-use crate::ops::{embed_gather, rms_norm_as, StepPositions};
+use crate::ops::{embed_gather, StepPositions};
 use candle_core::{DType, IndexOp, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -544,20 +544,10 @@ impl Llama {
         let Some(first) = self.blocks.first() else {
             candle_core::bail!("model has no layers")
         };
-        let xn = if first.attn.qkv.takes_normed(b * seq, res.dtype()) {
-            Activation::Normed {
-                h: res.clone(),
-                w: first.attn_norm.clone(),
-                eps: self.eps,
-            }
-        } else {
-            rms_norm_as(
-                &res,
-                &first.attn_norm,
-                self.eps,
-                first.attn.qkv.input_encoding(),
-            )?
-        };
+        let xn = first
+            .attn
+            .qkv
+            .input_norm(&res, &first.attn_norm, self.eps)?;
         Ok((res, xn))
     }
 

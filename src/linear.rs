@@ -247,6 +247,21 @@ impl QLinear {
         self.b.is_none() && self.w.normed_ok(m, dtype)
     }
 
+    /// This layer's input `rms_norm(h) · w` (eps `eps`, `h` `[.., k]`) in the form it reads:
+    /// left to its own kernel ([`Activation::Normed`]) where it computes norms, else
+    /// computed now in its [`InputEncoding`].
+    pub fn input_norm(&self, h: &Tensor, w: &Tensor, eps: f32) -> Result<Activation> {
+        let m = h.elem_count() / self.shape().1.max(1);
+        if self.takes_normed(m, h.dtype()) {
+            return Ok(Activation::Normed {
+                h: h.clone(),
+                w: w.clone(),
+                eps,
+            });
+        }
+        crate::ops::rms_norm_as(h, w, eps, self.input_encoding())
+    }
+
     /// The kernel-side norm of `h` (see [`LinearWeights::forward_normed`]), shaped as `h`.
     fn normed(&self, h: &Tensor, w: &Tensor, eps: f32, silu: bool) -> Option<Result<Tensor>> {
         let (n, k) = self.shape();
@@ -292,11 +307,7 @@ impl QLinear {
                     .forward_add(&t.reshape((m, k))?, &res.reshape((m, n))?)
                 {
                     let h = h?.reshape(res.shape())?;
-                    let xn = Activation::Normed {
-                        h: h.clone(),
-                        w: w.clone(),
-                        eps,
-                    };
+                    let xn = next.input_norm(&h, w, eps)?;
                     return Ok((h, xn));
                 }
             }
@@ -309,17 +320,15 @@ impl QLinear {
     /// (`next`): the fused epilogue for a dense one, the SiLU·mul fused into the W4A4
     /// activation quantizer for a W4A4 one.
     pub fn forward_silu_mul_as(&self, x: &Activation, next: &InputEncoding) -> Result<Activation> {
-        if let (InputEncoding::Dense, Activation::Normed { h, w, eps }) = (next, x) {
-            if let Some(y) = self.normed(h, w, *eps, true) {
-                return Ok(Activation::Dense(y?));
-            }
-        }
         match (next, x) {
             (InputEncoding::Dense, Activation::Dense(t)) => {
                 Ok(Activation::Dense(self.forward_silu_mul(t)?))
             }
-            (InputEncoding::Dense, Activation::Normed { .. }) => {
-                Ok(Activation::Dense(self.forward_silu_mul(&x.to_dense()?)?))
+            (InputEncoding::Dense, Activation::Normed { h, w, eps }) => {
+                match self.normed(h, w, *eps, true) {
+                    Some(y) => Ok(Activation::Dense(y?)),
+                    None => Ok(Activation::Dense(self.forward_silu_mul(&x.to_dense()?)?)),
+                }
             }
             (InputEncoding::Dense, _) => Ok(Activation::Dense(crate::ops::silu_mul(
                 &self.forward_act(x)?,

@@ -568,10 +568,8 @@ impl LinearWeights for UniformWeights {
     }
 
     fn normed_ok(&self, m: usize, dtype: DType) -> bool {
-        dtype == DType::F16
-            && self
-                .tiles()
-                .is_some_and(|t| crate::ops::tiles_fuse_ok(t, m))
+        self.tiles()
+            .is_some_and(|t| crate::ops::tiles_fuse_ok(t, m, dtype))
     }
 
     fn forward_normed(

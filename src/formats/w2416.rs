@@ -1369,7 +1369,7 @@ impl LinearWeights for W2416Weights {
     }
 
     fn normed_ok(&self, m: usize, dtype: DType) -> bool {
-        dtype == DType::F16 && crate::ops::tiles_fuse_ok(&self.tiles, m)
+        crate::ops::tiles_fuse_ok(&self.tiles, m, dtype)
     }
 
     fn forward_normed(

@@ -241,13 +241,13 @@ pub fn tiles_fused(t: &Tiles, e: Epilogue, x: &Tensor) -> Option<Result<Tensor>>
     }
 }
 
-/// Whether one token of `m` rows takes a norm in the kernel's prologue or a residual add in
-/// its epilogue ([`tiles_normed`], [`tiles_add`]): the one-token GEMV (GPU, sm_90 build,
+/// Whether `m` rows of `dtype` take a norm in the kernel's prologue or a residual add in
+/// its epilogue ([`tiles_normed`], [`tiles_add`]): the one-token f16 GEMV (GPU, sm_90 build,
 /// `m` = 1); `CANDLE_LOWBIT_FUSE_NORM=0` turns both off (read once).
-pub fn tiles_fuse_ok(t: &Tiles, m: usize) -> bool {
+pub fn tiles_fuse_ok(t: &Tiles, m: usize, dtype: DType) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("CANDLE_LOWBIT_FUSE_NORM").as_deref() == Ok("0"));
-    !off && on_cuda(t) && m == 1 && gemv_ok(t) && gemv_fits(t)
+    !off && dtype == DType::F16 && on_cuda(t) && m == 1 && gemv_ok(t) && gemv_fits(t)
 }
 
 /// `rms_norm(h) · w` (eps `eps`) times Wᵀ for one token `h` f16 `[1, k]`, with the SiLU·mul
@@ -262,7 +262,7 @@ pub fn tiles_normed(
     silu: bool,
 ) -> Option<Result<Tensor>> {
     let m = h.dims2().ok()?.0;
-    if !tiles_fuse_ok(t, m) || h.dtype() != DType::F16 || (silu && !silu_ok(t)) {
+    if !tiles_fuse_ok(t, m, h.dtype()) || (silu && !silu_ok(t)) {
         return None;
     }
     let epi = if silu { Epi::SiluMul } else { Epi::F16 };
@@ -278,7 +278,7 @@ pub fn tiles_normed(
 /// [`tiles_fuse_ok`] does not hold.
 pub fn tiles_add(t: &Tiles, x: &Tensor, res: &Tensor) -> Option<Result<Tensor>> {
     let m = x.dims2().ok()?.0;
-    if !tiles_fuse_ok(t, m) || x.dtype() != DType::F16 {
+    if !tiles_fuse_ok(t, m, x.dtype()) {
         return None;
     }
     let fuse = Fuse {
