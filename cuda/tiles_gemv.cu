@@ -9,6 +9,9 @@
 //           plain:     f16 [R][SG][32 rows][scale, zero] (SG = ceil(k / group))
 //           (the 32 rows of a tile in the order lg 8 x nb 4: row lg + 8 nb at index 4 lg + nb)
 //   entries u32 [R][E] col | f16(delta) << 16 sorted by row; row_end u32 [n]
+//   perm    u32 [k / 2] or null: reordered weights' column order, column 2 i reads input
+//           channel perm[i] & 0xffff and column 2 i + 1 channel perm[i] >> 16 (x and nw are
+//           read through it where x is staged and where the outlier warps gather)
 //
 // A lane's 16 code bytes of a tile (lane l = 4 gid + t) hold rows gid + 8 nb, columns
 // 16 kc + 8 hb + 2 t + e: 2-bit word nb has (kc, hb, e) at bit 2 j + 16 e with j = 2 kc + hb;
@@ -183,7 +186,7 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                            const uint32_t* __restrict__ desc, const uint8_t* __restrict__ sc,
                            const __half* __restrict__ sup, const __half* __restrict__ plain,
                            const uint32_t* __restrict__ entries, const uint32_t* __restrict__ row_end,
-                           const __half* __restrict__ nw, const __half* __restrict__ add, float eps,
+                           const uint32_t* __restrict__ perm, const __half* __restrict__ nw, const __half* __restrict__ add, float eps,
                            void* y_out, int n, int k, int H, int E, int group, int ks, int parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_trigger();
@@ -330,10 +333,11 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
         for (int w = 0; w < GV_WARPS + 2; ++w) ss += red_sh[0][w][0];
         inv = rsqrtf(ss / (float)k + eps);
     }
-    // The input value of column col (normed where asked), as f32.
-    auto xin = [&](int col, float v) -> float {
-        return nw == nullptr ? v : __half2float(__float2half_rn(v * inv * __half2float(__ldg(nw + col))));
+    // The input value v of channel ch (normed where asked), as f32.
+    auto xin = [&](int ch, float v) -> float {
+        return nw == nullptr ? v : __half2float(__float2half_rn(v * inv * __half2float(__ldg(nw + ch))));
     };
+    const unsigned short* x16 = reinterpret_cast<const unsigned short*>(x);
     for (int i0 = 0; i0 < 8 * C; i0 += GV_THREADS) {
         const int i = i0 + threadIdx.x, c = i >> 3, s = i & 7;
         float sub = 0.f;
@@ -343,9 +347,18 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                 const int col = 64 * (cg0 + c) + 8 * s + 2 * tt;
                 float2 f = make_float2(0.f, 0.f);
                 if (col < k) {
-                    const uint32_t v = __ldg(x32 + col / 2);
+                    int c0 = col, c1 = col + 1;
+                    uint32_t v;
+                    if (perm != nullptr) {
+                        const uint32_t pw = __ldg(perm + col / 2);
+                        c0 = (int)(pw & 0xffffu);
+                        c1 = (int)(pw >> 16);
+                        v = (uint32_t)__ldg(x16 + c0) | ((uint32_t)__ldg(x16 + c1) << 16);
+                    } else {
+                        v = __ldg(x32 + col / 2);
+                    }
                     f = __half22float2(*reinterpret_cast<const __half2*>(&v));
-                    f = make_float2(xin(col, f.x), xin(col + 1, f.y));
+                    f = make_float2(xin(c0, f.x), xin(c1, f.y));
                 }
                 const __half2 hv = __floats2half2_rn(f.x, f.y);
                 xf[32 * c + 8 * tt + s] = *reinterpret_cast<const uint32_t*>(&hv);
@@ -437,7 +450,8 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
 #pragma unroll
                 for (int u = 0; u < 8; ++u) {
                     const int col = (int)(v[u] & 0xffffu);
-                    xv[u] = e0 + u < o_hi ? xin(col, __half2float(__ldg(x + col))) : 0.f;
+                    const int ch = perm == nullptr ? col : (int)((__ldg(perm + col / 2) >> (16 * (col & 1))) & 0xffffu);
+                    xv[u] = e0 + u < o_hi ? xin(ch, __half2float(__ldg(x + ch))) : 0.f;
                 }
                 uint32_t nv[8];
 #pragma unroll
@@ -513,10 +527,11 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
 #define TILES_GEMV(NAME, TWO, EPI)                                                                            \
     extern "C" __global__ void __launch_bounds__(GV_THREADS, 1)                                               \
         NAME(const __half* x, const uint32_t* codes, const uint32_t* desc, const uint8_t* sc, const __half* sup, \
-             const __half* plain, const uint32_t* entries, const uint32_t* row_end, const __half* nw,             \
-             const __half* add, float eps, void* y, int n, int k, int H, int E, int group, int ks, int parts) {   \
-        tiles_gemv<TWO, EPI>(x, codes, desc, sc, sup, plain, entries, row_end, nw, add, eps, y, n, k, H, E, group, \
-                             ks, parts);                                                                      \
+             const __half* plain, const uint32_t* entries, const uint32_t* row_end, const uint32_t* perm,          \
+             const __half* nw, const __half* add, float eps, void* y, int n, int k, int H, int E, int group, int ks, \
+             int parts) {                                                                                     \
+        tiles_gemv<TWO, EPI>(x, codes, desc, sc, sup, plain, entries, row_end, perm, nw, add, eps, y, n, k, H, E,  \
+                             group, ks, parts);                                                               \
     }
 
 TILES_GEMV(tiles_gemv_two_f16, true, 0)

@@ -88,6 +88,7 @@ fn outliers_are_taken_out_and_kept() -> Result<()> {
     let cfg = W2416Config {
         bits: 2.4,
         outliers: 0.005,
+        reorder: false,
     };
     let t = w2416::quantize(&wt, None, &cfg, None)?;
     let outl = t.outliers_ref()?;
@@ -163,8 +164,9 @@ fn precision_follows_sensitivity_and_budget() -> Result<()> {
     let cfg = W2416Config {
         bits: 2.9,
         outliers: 0.0,
+        reorder: false,
     };
-    let h4 = cfg.h4(k);
+    let h4 = cfg.h4(n, k);
     assert!(h4 >= 2, "budget 2.9 bits leaves {h4} 4-bit tiles of {g}");
     let t = w2416::quantize(&w, None, &cfg, None)?;
     assert_eq!(t.h4, h4);
@@ -203,6 +205,82 @@ fn precision_follows_sensitivity_and_budget() -> Result<()> {
     // Every stored byte is counted: codes, scales, supers, descriptors (no outliers).
     let expect = n * 16 * (g + h4) + n * 2 * g + n * 2 * w2416::supers(k) + (n / TILE_ROWS) * g * 4;
     assert_eq!(t.bytes(), expect);
+    Ok(())
+}
+
+/// Reordering: salient input channels spread over every tile column (one in nine four
+/// times wider) are gathered into the first columns, which the 4-bit tiles take; the weight
+/// comes back in the input's order, the Hessian-weighted error falls well below the
+/// unordered quantizer's, the column order costs 2 bytes per column and stays in the budget,
+/// and the stored order rebuilds the same weight (a non-permutation is refused).
+#[test]
+fn reorder_gathers_salient_channels() -> Result<()> {
+    let cpu = Device::Cpu;
+    let (n, k) = (64, 576);
+    let salient = |j: usize| j % 9 == 4;
+    let scale: Vec<f32> = (0..k)
+        .map(|j| if salient(j) { 1.0 } else { 0.25 })
+        .collect();
+    let w = randn(6, &[n, k], 1.0, DType::F32, &cpu)?.broadcast_mul(&Tensor::from_vec(
+        scale,
+        (1, k),
+        &cpu,
+    )?)?;
+    let on = W2416Config {
+        bits: 3.0,
+        outliers: 0.0,
+        reorder: true,
+    };
+    let off = W2416Config {
+        reorder: false,
+        ..on
+    };
+    let (a, b) = (
+        w2416::quantize(&w, None, &on, None)?,
+        w2416::quantize(&w, None, &off, None)?,
+    );
+    let order = a.perm.as_ref().expect("column order").order()?;
+    assert!(b.perm.is_none());
+    // The 64 salient channels fill the first tile column.
+    assert!(
+        order[..TILE_COLS].iter().all(|&c| salient(c as usize)),
+        "first tile: {:?}",
+        &order[..TILE_COLS]
+    );
+    let g = tile_cols(k);
+    let four = a.flags()?;
+    assert!((0..n / TILE_ROWS).all(|r| four[r * g]), "tile 0 not 4-bit");
+    let err = |t: &Tiles| -> Result<f32> {
+        Ok((t.dequantize(DType::F32)? - &w)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f32>()?)
+    };
+    let (ea, eb) = (err(&a)?, err(&b)?);
+    assert!(ea < 0.8 * eb, "reordered error {ea} vs {eb}");
+    assert_eq!(a.bytes(), a.clone().with_perm(None)?.bytes() + 2 * k);
+    assert!(a.bytes() as f64 * 8.0 / (n * k) as f64 <= on.bits + 1e-9);
+    // Stored and rebuilt.
+    let f = WeightFormat::W2416;
+    let l = w2416::W2416Weights::new(f, a.clone());
+    let mut map: std::collections::HashMap<String, Tensor> =
+        candle_lowbit::formats::LinearWeights::tensors(&l)?
+            .into_iter()
+            .collect();
+    let back = f.spec().codec.rebuild(f, (n, k), &map)?;
+    assert_eq!(
+        back.dequantize()?.flatten_all()?.to_vec1::<f32>()?,
+        a.dequantize(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+    );
+    let bad = vec![0u32; k / 2]; // every column reads channel 0
+    map.insert("input.order".into(), Tensor::from_vec(bad, k / 2, &cpu)?);
+    let e = f
+        .spec()
+        .codec
+        .rebuild(f, (n, k), &map)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a permutation"), "{e}");
     Ok(())
 }
 
@@ -364,7 +442,11 @@ fn random_weights_are_a_valid_layout() -> Result<()> {
     let (n, k) = (96, 1000);
     let cfg = W2416Config::default();
     let t = w2416::random(n, k, &cfg, 5, &cpu)?;
-    assert_eq!(t.h4, cfg.h4(k));
+    assert_eq!(t.h4, cfg.h4(n, k));
+    let order = t.perm.as_ref().expect("reordered by default").order()?;
+    let mut sorted = order.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, (0..k as u32).collect::<Vec<_>>());
     let four = t.flags()?;
     let g = tile_cols(k);
     let mut seen = std::collections::HashSet::new();

@@ -123,6 +123,11 @@ pub struct CalibArgs {
     #[arg(long, default_value_t = candle_lowbit::formats::w2416::DEFAULT_OUTLIERS)]
     pub outliers: f64,
 
+    /// w2416: reorder the input channels by salience so that the 4-bit tiles take the
+    /// channels that need them (2 bytes per column, counted in --bits).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub reorder: bool,
+
     /// w4a4: INT8 outlier channels per layer (rounded so the rest is whole blocks of 128).
     #[arg(long, default_value_t = 128)]
     pub w4a4_outliers: usize,
@@ -173,6 +178,7 @@ impl CalibArgs {
             w2416: candle_lowbit::formats::w2416::W2416Config {
                 bits: self.bits,
                 outliers: self.outliers,
+                reorder: self.reorder,
             },
             w4a4: candle_lowbit::formats::w4a4::W4a4Config {
                 outliers: self.w4a4_outliers,

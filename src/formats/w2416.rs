@@ -15,6 +15,17 @@
 //! `Σ_rows Σ_j H_jj (w_j − ŵ_j)²` drops most from 2 to 4 bits; `h4` follows from the budget
 //! `--bits`.
 //!
+//! **Reorder** (`reorder`, on by default): before the tiles are cut, the input channels
+//! (the columns) are sorted by decreasing `H_jj · max_i w_ij²` (how much the channel widens
+//! its groups' ranges, weighted by what rounding costs there), and the Hessian's rows and
+//! columns with them. A tile's precision is one
+//! choice for 64 columns; in input order the few salient channels of a layer sit in every
+//! tile, so a 4-bit tile spends most of its bits on channels that did not need them. Sorted,
+//! they fill the first tiles, which the selection above makes 4-bit, and the 2-bit tiles hold
+//! channels of like magnitude (narrower ranges). The kernels read the input through the
+//! order (`Perm`: kernel column `j` takes input channel `order[j]`); it costs 2 bytes per
+//! column, counted in the budget.
+//!
 //! **Exclusive outliers**: in the 2-bit tiles only, the `E` weights per 32-row block with the
 //! largest `H_jj (w_j − ŵ_j)²` (about `--outliers` = 0.5 % of the block's weights, `E` a
 //! multiple of 32) are taken out before their group's range is fitted again, and kept as an
@@ -31,7 +42,7 @@
 //! The uniform formats' tiles (`Plain` scales) hold f16 `(scale, zero)` per (row, group of
 //! `group` = 128 columns) instead, all tiles one precision, no outliers.
 //!
-//! # Tensors (version 1)
+//! # Tensors (version 2: version 1 had no column order)
 //!
 //! `R = n / 32` row blocks, `G = ⌈k / 64⌉` tile columns, `S = ⌈G / 16⌉`, `H = h4`. Every tensor
 //! has `n` rows first (the formats layer's rule): a 32-row block's data is spread over its
@@ -45,6 +56,11 @@
 //! | `supers`  | f16   | `[n, S]`           | per block and super-group, `[lg 8][nb 4]` |
 //! | `entries` | u32   | `[n, E / 32]`      | per block, `E` outliers sorted by row then column: `col | f16 bits(δ) << 16`; unused ones `δ = 0` |
 //! | `row_end` | u32   | `[n, 1]`           | one past the row's last entry within its block's list |
+//! | `input.order` | u32 | `[k / 2]`        | reordered only: the input channels of columns `2 i` (low 16 bits) and `2 i + 1` (high) |
+//!
+//! Every column index above (tiles, outlier entries) counts kernel columns, in `input.order`'s
+//! order where it is stored. `input.*` tensors describe the layer's input, not its rows:
+//! layers stacked on one input (Q, K and V; gate and up) share one order.
 //!
 //! Inside a tile (lane `l` of the decoding warp, `lg = l / 4`, `t = l % 4`): lane `l`
 //! holds the 64 weights of rows `lg + 8 nb` (nb 0..4) at columns `16 kc + 2 t + 8 hb + e`
@@ -56,8 +72,9 @@
 //!
 //! Bits per weight, all counted (what the kernel reads): codes `2 + 2 H / G`, scales 0.25,
 //! super scales `16 / (64 · 16)`, tile descriptors (u32 per tile, built at load) 1/64,
-//! outliers `32 E / (32 k)` plus a u32 per row. At k = 4096, 0.5 % outliers and `h4` = 0.25 G:
-//! 2.5 + 0.25 + 0.016 + 0.016 + 0.16 + 0.008 = 2.95.
+//! outliers `32 E / (32 k)` plus a u32 per row, the column order `16 / n`. At k = 4096,
+//! n = 4096, 0.5 % outliers and `h4` = 0.25 G: 2.5 + 0.25 + 0.016 + 0.016 + 0.16 + 0.008 +
+//! 0.004 = 2.95.
 //!
 //! # Decisions, and what measured them (H200, default model, full WikiText-2 test, ctx 512,
 //! in-sample calibration; BENCHMARKS.md "2/4/16-bit weights")
@@ -124,7 +141,7 @@ pub static W2416: FormatSpec = FormatSpec {
     tolerance: 5e-3,
     calibration: Calibration::Diagonal,
     graph_safe: true,
-    version: 1,
+    version: 2,
     stores_as: None,
     codec: &W2416Codec { gptq: false },
 };
@@ -137,7 +154,7 @@ pub static W2416_GPTQ: FormatSpec = FormatSpec {
     tolerance: 5e-3,
     calibration: Calibration::Hessian,
     graph_safe: true,
-    version: 1,
+    version: 2,
     stores_as: Some(WeightFormat::W2416),
     codec: &W2416Codec { gptq: true },
 };
@@ -166,6 +183,57 @@ pub struct Outliers {
     pub row_end: Tensor,
 }
 
+/// The input-channel order of a reordered weight: kernel column `j` reads input channel
+/// `order[j]` (module docs, "Reorder").
+#[derive(Debug, Clone)]
+pub struct Perm {
+    /// u32 `[k / 2]`: the channels of columns `2 i` and `2 i + 1` in the low and high 16
+    /// bits (stored; the GEMV reads it).
+    pub words: Tensor,
+    /// u32 `[k]`: the order, one channel per column (built at load, for gathers).
+    pub idx: Tensor,
+    /// u32 `[k]`: the inverse, the column of every input channel (built at load).
+    pub inv: Tensor,
+}
+
+impl Perm {
+    /// From `order` (a permutation of `0..k`, `k` even and at most 65536) on `dev`.
+    pub fn new(order: &[u32], dev: &Device) -> Result<Self> {
+        let k = order.len();
+        if !k.is_multiple_of(2) || k > 1 << 16 {
+            candle_core::bail!("tiles: a column order of {k} channels (even, at most 65536)")
+        }
+        let mut inv = vec![u32::MAX; k];
+        for (j, &c) in order.iter().enumerate() {
+            if (c as usize) >= k || inv[c as usize] != u32::MAX {
+                candle_core::bail!(
+                    "tiles: the column order of {k} channels is not a permutation (channel {c} at column {j})"
+                )
+            }
+            inv[c as usize] = j as u32;
+        }
+        let words: Vec<u32> = order.chunks(2).map(|p| p[0] | (p[1] << 16)).collect();
+        Ok(Self {
+            words: Tensor::from_vec(words, k / 2, dev)?,
+            idx: Tensor::from_vec(order.to_vec(), k, dev)?,
+            inv: Tensor::from_vec(inv, k, dev)?,
+        })
+    }
+
+    /// From the stored `words` u32 `[k / 2]`, checked to be a permutation of `0..k`.
+    pub fn from_words(words: &Tensor, k: usize) -> Result<Self> {
+        super::expect(words, "input.order", &[k / 2], DType::U32)?;
+        let w = words.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
+        let order: Vec<u32> = w.iter().flat_map(|&v| [v & 0xffff, v >> 16]).collect();
+        Self::new(&order, words.device())
+    }
+
+    /// The order on the host.
+    pub fn order(&self) -> Result<Vec<u32>> {
+        self.idx.to_device(&Device::Cpu)?.to_vec1::<u32>()
+    }
+}
+
 /// A weight in the tile layout the kernels read (module docs).
 #[derive(Debug, Clone)]
 pub struct Tiles {
@@ -182,6 +250,8 @@ pub struct Tiles {
     pub desc: Tensor,
     pub scales: TileScales,
     pub outliers: Option<Outliers>,
+    /// The input-channel order of the columns (`None`: the input's own).
+    pub perm: Option<Perm>,
 }
 
 /// Tile columns of `k` (a last tile past `k` holds zero weights: `k` = 96 has two).
@@ -442,7 +512,24 @@ impl Tiles {
             desc,
             scales,
             outliers,
+            perm: None,
         })
+    }
+
+    /// These tiles with their columns in `perm`'s order of the input channels.
+    pub fn with_perm(mut self, perm: Option<Perm>) -> Result<Self> {
+        if let Some(p) = &perm {
+            if p.idx.dims() != [self.k] {
+                candle_core::bail!(
+                    "tiles: a column order of {:?} channels for a [{}, {}] weight",
+                    p.idx.dims(),
+                    self.n,
+                    self.k
+                )
+            }
+        }
+        self.perm = perm;
+        Ok(self)
     }
 
     /// Whether the tensors that the GEMV copies in bulk (codes, scales, super scales) start
@@ -503,6 +590,9 @@ impl Tiles {
         };
         if let Some(o) = &self.outliers {
             b += n * 4 + (n / TILE_ROWS) * o.per_block * 4;
+        }
+        if self.perm.is_some() {
+            b += 2 * k;
         }
         b
     }
@@ -635,7 +725,7 @@ impl Tiles {
     }
 
     /// CPU reference: the weight `[n, k]` in f32 as the kernels use it: `f16(q · s + z)`,
-    /// plus `δ` where an outlier sits.
+    /// plus `δ` where an outlier sits; columns in the kernels' order (`perm`'s, where set).
     pub fn dequantize_ref(&self) -> Result<Vec<f32>> {
         let (n, k) = (self.n, self.k);
         let g = tile_cols(k);
@@ -653,10 +743,14 @@ impl Tiles {
         Ok(w)
     }
 
-    /// The weight `[n, k]` in `dtype` (f32 or f16): the kernel on the GPU, the reference on
-    /// the CPU (f16: the f32 values rounded once).
+    /// The weight `[n, k]` in `dtype` (f32 or f16) with its columns in the input's order:
+    /// the kernel on the GPU, the reference on the CPU (f16: the f32 values rounded once).
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
-        crate::ops::tiles_dequantize(self, dtype)
+        let w = crate::ops::tiles_dequantize(self, dtype)?;
+        match &self.perm {
+            Some(p) => w.index_select(&p.inv, 1),
+            None => Ok(w),
+        }
     }
 
     /// For tiles of one precision with plain scales (a uniform format's): its codes u8
@@ -730,6 +824,9 @@ impl Tiles {
             v.push(("entries".to_string(), o.entries.clone()));
             v.push(("row_end".to_string(), o.row_end.clone()));
         }
+        if let Some(p) = &self.perm {
+            v.push(("input.order".to_string(), p.words.clone()));
+        }
         v
     }
 }
@@ -753,6 +850,9 @@ pub struct W2416Config {
     pub bits: f64,
     /// Outlier fraction of all weights (0 = none).
     pub outliers: f64,
+    /// Reorder the input channels (the columns) by their salience before the tiles are
+    /// cut, so that the 4-bit tiles take the channels that need them (module docs).
+    pub reorder: bool,
 }
 
 impl Default for W2416Config {
@@ -760,6 +860,7 @@ impl Default for W2416Config {
         Self {
             bits: DEFAULT_BITS,
             outliers: DEFAULT_OUTLIERS,
+            reorder: true,
         }
     }
 }
@@ -771,14 +872,20 @@ impl W2416Config {
         ((e / 32.0).round() as usize) * 32
     }
 
-    /// 4-bit tiles per block for rows of `k`: the most whose bytes fit the budget.
-    pub fn h4(&self, k: usize) -> usize {
+    /// 4-bit tiles per block of a `[n, k]` weight: the most whose bytes fit the budget.
+    pub fn h4(&self, n: usize, k: usize) -> usize {
         let (g, e) = (tile_cols(k), self.per_block(k));
-        // Bytes per 32-row block besides the 4-bit codes' extra 2 bits.
+        // Bytes per 32-row block besides the 4-bit codes' extra 2 bits (the column order's
+        // 2 bytes per column shared by the layer's n / 32 blocks).
         let row_end = if e > 0 { 4 } else { 0 };
         let fixed = TILE_ROWS * (16 * g + 2 * g + 2 * supers(k) + row_end) + 4 * g + 4 * e;
+        let order = if self.reorder {
+            (2 * k * TILE_ROWS) as f64 / n.max(1) as f64
+        } else {
+            0.0
+        };
         let budget = self.bits * (TILE_ROWS * k) as f64 / 8.0;
-        let spare = budget - fixed as f64;
+        let spare = budget - fixed as f64 - order;
         if spare <= 0.0 {
             0
         } else {
@@ -888,7 +995,7 @@ fn decide(w: &Tensor, diag: &Tensor, cfg: &W2416Config, kl: usize) -> Result<Dec
     let (s4, z4, e4) = fit(&wg, &d, None, 15.0)?;
     let (s2, z2, e2) = fit(&wg, &d, None, 3.0)?;
     // 4-bit tiles: the largest drop in error per block.
-    let h4 = cfg.h4(kl);
+    let h4 = cfg.h4(n, kl);
     let gain = (&e2 - &e4)?
         .reshape((r, TILE_ROWS, g))?
         .sum(1)?
@@ -1149,8 +1256,25 @@ pub fn quantize(
         }
         None => Tensor::ones(k, DType::F32, &dev)?,
     };
+    // Reordered: the columns by decreasing salience, the Hessian's rows and columns with them.
+    let order = if cfg.reorder {
+        Some(column_order(w, &diag)?)
+    } else {
+        None
+    };
+    let (w, hessian, diag) = match &order {
+        Some(o) => {
+            let idx = Tensor::from_vec(o.clone(), k, &dev)?;
+            let h = match hessian {
+                Some(h) => Some(h.index_select(&idx, 0)?.index_select(&idx, 1)?),
+                None => None,
+            };
+            (w.index_select(&idx, 1)?, h, diag.index_select(&idx, 0)?)
+        }
+        None => (w.clone(), hessian.cloned(), diag),
+    };
     // Quantized as [n, kp] with zero columns past k (the last tile's).
-    let (w, hessian) = pad_cols(w, hessian)?;
+    let (w, hessian) = pad_cols(&w, hessian.as_ref())?;
     let hessian = hessian.as_ref();
     let kl = k;
     let k = w.dim(1)?;
@@ -1215,6 +1339,10 @@ pub fn quantize(
         None
     };
     let codes = pack_codes(&q.codes, &dec.four)?;
+    let perm = match &order {
+        Some(o) => Some(Perm::new(o, &dev)?),
+        None => None,
+    };
     Tiles::new(
         (n, kl),
         codes,
@@ -1224,7 +1352,20 @@ pub fn quantize(
             supers: dec.supers,
         },
         outliers,
-    )
+    )?
+    .with_perm(perm)
+}
+
+/// The column order of a reordered `w` `[n, k]`: by decreasing `diag_j · max_i w_ij²` (how
+/// much the channel widens the ranges of its groups, weighted by what rounding costs there),
+/// ties by index.
+fn column_order(w: &Tensor, diag: &Tensor) -> Result<Vec<u32>> {
+    let key = (w.to_dtype(DType::F32)?.sqr()?.max(0)? * diag)?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?;
+    let mut order: Vec<u32> = (0..key.len() as u32).collect();
+    order.sort_by(|&a, &b| key[b as usize].total_cmp(&key[a as usize]).then(a.cmp(&b)));
+    Ok(order)
 }
 
 /// Uniformly random u32 words of `shape` on `dev` (two 16-bit halves: f32 draws hold 24
@@ -1242,7 +1383,7 @@ pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) ->
     check_tileable(n, k, "w2416 random")?;
     let (r, g) = (n / TILE_ROWS, tile_cols(k));
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let h4 = cfg.h4(k);
+    let h4 = cfg.h4(n, k);
     let mut four = vec![false; r * g];
     for b in 0..r {
         let mut cols: Vec<usize> = (0..g).collect();
@@ -1292,6 +1433,14 @@ pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) ->
     } else {
         None
     };
+    let perm = if cfg.reorder {
+        use rand::seq::SliceRandom;
+        let mut order: Vec<u32> = (0..k as u32).collect();
+        order.shuffle(&mut rng);
+        Some(Perm::new(&order, dev)?)
+    } else {
+        None
+    };
     Tiles::new(
         (n, k),
         words,
@@ -1301,7 +1450,8 @@ pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) ->
             supers: ds,
         },
         outliers,
-    )
+    )?
+    .with_perm(perm)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1428,6 +1578,10 @@ impl Codec for W2416Codec {
                 "{format}: a [{n}, {k}] layer has only one of 'entries' / 'row_end'"
             ),
         };
+        let perm = match tensors.get("input.order") {
+            Some(w) => Some(Perm::from_words(w, k)?),
+            None => None,
+        };
         let tiles = Tiles::new(
             (n, k),
             get("codes")?,
@@ -1437,12 +1591,17 @@ impl Codec for W2416Codec {
                 supers: get("supers")?,
             },
             outliers,
-        )?;
+        )?
+        .with_perm(perm)?;
         Ok(Box::new(W2416Weights::new(format, tiles)))
     }
 
     fn settings(&self, opts: &QuantOptions) -> serde_json::Value {
-        serde_json::json!({ "bits": opts.w2416.bits, "outliers": opts.w2416.outliers })
+        serde_json::json!({
+            "bits": opts.w2416.bits,
+            "outliers": opts.w2416.outliers,
+            "reorder": opts.w2416.reorder,
+        })
     }
 
     fn random(

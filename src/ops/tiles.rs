@@ -369,6 +369,16 @@ impl CustomOp1 for TilesMatmul {
                 .collect(),
             _ => candle_core::bail!("tiles_matmul: x must be f16"),
         };
+        // Columns in the tiles' order of the input channels.
+        let x = match &self.tiles.perm {
+            Some(p) => {
+                let o = p.order()?;
+                (0..m * k)
+                    .map(|i| x[(i / k) * k + o[i % k] as usize])
+                    .collect()
+            }
+            None => x,
+        };
         let w = self.tiles.dequantize_ref()?;
         let mut y = vec![0f32; m * n];
         for i in 0..m {
@@ -402,6 +412,7 @@ impl CustomOp1 for TilesMatmul {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let m = l.shape().dims2()?.0;
         if m == 1 && gemv_ok(&self.tiles) {
+            // The GEMV reads x through the column order itself.
             return super::tiles_gemv::gemv(&self.tiles, self.epi, &self.fuse, s, l);
         }
         if !self.fuse.is_empty() {
@@ -409,6 +420,8 @@ impl CustomOp1 for TilesMatmul {
                 "tiles_matmul: a fused norm or residual needs the one-token GEMV (m = 1, sm_90 build)"
             )
         }
+        let gathered = cuda::gathered(&self.tiles, s, l)?;
+        let (s, l) = gathered.as_ref().map_or((s, l), |(g, gl)| (g, gl));
         if m > super::TILES_MAX_M {
             return cuda::gemm(&self.tiles, s, l);
         }
@@ -530,6 +543,22 @@ pub(super) mod cuda {
                 f(p)
             }),
         }
+    }
+
+    /// `x` (`s`, `l`: `[m, k]`) with its columns in the tiles' order of the input channels,
+    /// where the tiles are reordered (a gather by candle's index_select), else `None`.
+    pub(in crate::ops) fn gathered(
+        t: &Tiles,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> Result<Option<(CudaStorage, Layout)>> {
+        let Some(p) = &t.perm else { return Ok(None) };
+        let (st, il) = p.idx.storage_and_layout();
+        let candle_core::Storage::Cuda(ids) = &*st else {
+            candle_core::bail!("tiles: the column order is not on the GPU")
+        };
+        let g = s.index_select(ids, l, il, 1)?;
+        Ok(Some((g, Layout::contiguous(l.shape().clone()))))
     }
 
     /// Weight arguments: codes, desc, sc, supers, plain, entries, row_end.

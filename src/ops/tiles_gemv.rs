@@ -149,8 +149,8 @@ mod cuda {
     use crate::formats::w2416::Tiles;
     use crate::kernels::{contiguous_view, dptr, ptx, sm_count, Arg};
     use crate::ops::tiles::cuda::{
-        launch_clustered, matmul, out_and_pairs, scale_tensors, variant, with_opt, with_output,
-        with_weights,
+        gathered, launch_clustered, matmul, out_and_pairs, scale_tensors, variant, with_opt,
+        with_output, with_weights,
     };
     use crate::ops::tiles::{env_override, Epi, Fuse};
     use candle_core::backend::BackendStorage;
@@ -209,7 +209,10 @@ mod cuda {
                      has no fused norm or residual"
                 )
             }
-            return matmul(t, epi, s, l);
+            return match gathered(t, s, l)? {
+                Some((g, gl)) => matmul(t, epi, &g, &gl),
+                None => matmul(t, epi, s, l),
+            };
         };
         func.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -243,14 +246,17 @@ mod cuda {
                     &stream,
                     |np| {
                         with_opt::<f16, _>(fuse.add.as_ref(), "residual", &stream, |ap| {
-                            let (xp, _gx) = dptr(&x, &stream);
-                            let ints =
-                                [n, k, t.h4, e, group, ks, plan.parts].map(|v| Arg::I32(v as i32));
-                            let mut args = vec![xp];
-                            args.extend(wa);
-                            args.extend([np, ap, Arg::F32(eps), out]);
-                            args.extend(ints);
-                            unsafe { launch_clustered(&func, &stream, cfg, ks, &args) }
+                            let order = t.perm.as_ref().map(|p| &p.words);
+                            with_opt::<u32, _>(order, "column order", &stream, |pp| {
+                                let (xp, _gx) = dptr(&x, &stream);
+                                let ints = [n, k, t.h4, e, group, ks, plan.parts]
+                                    .map(|v| Arg::I32(v as i32));
+                                let mut args = vec![xp];
+                                args.extend(wa);
+                                args.extend([pp, np, ap, Arg::F32(eps), out]);
+                                args.extend(ints);
+                                unsafe { launch_clustered(&func, &stream, cfg, ks, &args) }
+                            })
                         })
                     },
                 )
