@@ -105,6 +105,12 @@
 //!   Against the plain diagonal (3.0 bits, no outliers, this repository's CPU, 16 × 512
 //!   in-sample calibration tokens, 2026-12-07): windows 0..8 52.41 → 50.91, windows 0..40
 //!   47.37 → 46.61 (BENCHMARKS.md "GPTQ's column order").
+//! - **Reorder by `H_jj · max_i w_ij²`** (on by default). Measured against no reorder and
+//!   other keys (w2416-gptq, 3.0 bits, no outliers, this repository's CPU, 16 × 512 in-sample
+//!   calibration tokens, windows 0..8; 2026-12-07, BENCHMARKS.md "Reordered input channels"):
+//!   no reorder 50.91; `H_jj · max w²` **41.63**; `H_jj` 42.46; `H_jj · Σ w²` 42.68;
+//!   `max |w|` alone 46.46. On windows 0..40: 46.61 → **38.19**, where `int3-gptq` (3.27
+//!   bits) has 40.93. The column order costs 0.015 bits/weight on this model (2.958 → 2.973).
 //! - **Scales fixed before GPTQ** (its static groups): fitting every group's scale and zero
 //!   again to GPTQ's codes under the full Hessian, alternating with GPTQ, gained 3–6 % on a
 //!   CPU subset (52.69 → 49.54 at best, not monotone in the rounds; BENCHMARKS.md "Scales
