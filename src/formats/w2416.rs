@@ -111,6 +111,8 @@
 //!   no reorder 50.91; `H_jj · max w²` **41.63**; `H_jj` 42.46; `H_jj · Σ w²` 42.68;
 //!   `max |w|` alone 46.46. On windows 0..40: 46.61 → **38.19**, where `int3-gptq` (3.27
 //!   bits) has 40.93. The column order costs 0.015 bits/weight on this model (2.958 → 2.973).
+//!   The same order makes `int3-gptq` worse (44.16 → 51.85 on windows 0..8): the gain is the
+//!   mixed precision's, whole salient channels in 4-bit tiles.
 //! - **Scales fixed before GPTQ** (its static groups): fitting every group's scale and zero
 //!   again to GPTQ's codes under the full Hessian, alternating with GPTQ, gained 3–6 % on a
 //!   CPU subset (52.69 → 49.54 at best, not monotone in the rounds; BENCHMARKS.md "Scales
