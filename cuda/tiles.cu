@@ -728,6 +728,24 @@ extern "C" __global__ void tiles_xt(const __half* __restrict__ x, __half* __rest
     *reinterpret_cast<uint4*>(xt + (size_t)c * mt + t0) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
+// x f16 [m, k] -> y f16 [m, k] in a reordered weight's column order: y[t, j] = x[t, perm(j)],
+// perm u32 [k / 2] holding the channels of columns 2 i and 2 i + 1 in its low and high 16 bits
+// (src/formats/w2416.rs, `input.order`), k even. Thread i: token i / (k / 2), columns 2 (i %
+// (k / 2)) and + 1 (one 4-byte store; the reads are 2-byte gathers of a row that sits in L2).
+// For every m > 1 path (the one-token GEMV reads through the order itself).
+extern "C" __global__ void tiles_gather(const __half* __restrict__ x, const uint32_t* __restrict__ perm,
+                                        __half* __restrict__ y, int m, int k) {
+    pdl_trigger();
+    const int kh = k / 2;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)m * kh) return;
+    const int t = (int)(i / kh), c = (int)(i % kh);
+    const uint32_t p = __ldg(perm + c);
+    pdl_wait();
+    const __half* row = x + (size_t)t * k;
+    reinterpret_cast<__half2*>(y + (size_t)t * k)[c] = __halves2half2(row[p & 0xffffu], row[p >> 16]);
+}
+
 // y f16 [m, n] += the sparse outliers' products, after tiles_gemm (m > 16). Block: row block
 // blockIdx.x (lane = row), tokens 8 blockIdx.y .. + 7; warp s takes the row's entries s,
 // s + 8, ... (each entry's 8 activations one 16-byte load from xt f16 [k][mt]); the eight

@@ -545,20 +545,43 @@ pub(super) mod cuda {
         }
     }
 
-    /// `x` (`s`, `l`: `[m, k]`) with its columns in the tiles' order of the input channels,
-    /// where the tiles are reordered (a gather by candle's index_select), else `None`.
+    /// `x` f16 (`s`, `l`: `[m, k]`, contiguous) with its columns in the tiles' order of the
+    /// input channels (`tiles_gather`), where the tiles are reordered, else `None`. No host
+    /// data travels with the launch: CUDA-graph safe.
     pub(in crate::ops) fn gathered(
         t: &Tiles,
         s: &CudaStorage,
         l: &Layout,
     ) -> Result<Option<(CudaStorage, Layout)>> {
         let Some(p) = &t.perm else { return Ok(None) };
-        let (st, il) = p.idx.storage_and_layout();
-        let candle_core::Storage::Cuda(ids) = &*st else {
-            candle_core::bail!("tiles: the column order is not on the GPU")
+        let (m, k) = l.shape().dims2()?;
+        if k != t.k || !k.is_multiple_of(2) {
+            candle_core::bail!(
+                "tiles_gather: x {:?} for a [{}, {}] weight (k even)",
+                l.shape(),
+                t.n,
+                t.k
+            )
+        }
+        let dev = s.device().clone();
+        let stream = dev.cuda_stream();
+        let x = contiguous_view::<f16>(s, l, "x")?;
+        let func = dev.get_or_load_custom_func("tiles_gather", "tiles", ptx::TILES)?;
+        let y = unsafe { dev.alloc::<f16>(m * k)? };
+        let cfg = LaunchConfig {
+            grid_dim: ((m * k / 2).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
         };
-        let g = s.index_select(ids, l, il, 1)?;
-        Ok(Some((g, Layout::contiguous(l.shape().clone()))))
+        with_opt::<u32, _>(Some(&p.words), "column order", &stream, |pp| {
+            let ((xp, _g1), (yp, _g2)) = (dptr(&x, &stream), dptr(&y, &stream));
+            let ints = [m, k].map(|v| Arg::I32(v as i32));
+            unsafe { launch_pdl(&func, &stream, cfg, &[xp, pp, yp, ints[0], ints[1]]) }
+        })?;
+        Ok(Some((
+            CudaStorage::wrap_cuda_slice(y, dev),
+            Layout::contiguous((m, k)),
+        )))
     }
 
     /// Weight arguments: codes, desc, sc, supers, plain, entries, row_end.
