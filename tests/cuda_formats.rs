@@ -295,6 +295,23 @@ fn rel_err(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
     Ok((e / s.max(1e-20), m))
 }
 
+/// A GEMV test shape `(n, k, bits, outliers)` with its `w2416` settings: reordered columns
+/// where outliers are drawn, the input's order where not (both paths of the kernel).
+fn gemv_shape(
+    (n, k, bits, outliers): (usize, usize, f64, f64),
+) -> (usize, usize, candle_lowbit::formats::w2416::W2416Config) {
+    let reorder = outliers > 0.0;
+    (
+        n,
+        k,
+        candle_lowbit::formats::w2416::W2416Config {
+            bits,
+            outliers,
+            reorder,
+        },
+    )
+}
+
 /// Tiled layers on the CPU for each `(n, k, cfg)`: `w2416` drawn at random under `cfg`
 /// (seed `seed + i`), and one seeded random weight (seed `seed + 40 + i`) quantized to
 /// `w2416`, `int4` and `int2` with the default options.
@@ -436,7 +453,6 @@ fn tile_kernels_match_cpu() -> Result<()> {
 /// multiple of 128, an odd number of tile columns; all three epilogues.
 #[test]
 fn tile_gemv_matches_cpu_and_skinny_kernel() -> Result<()> {
-    use candle_lowbit::formats::w2416::W2416Config;
     use candle_lowbit::formats::Epilogue;
     use candle_lowbit::ops::force_gemv;
     let (cpu, dev) = (Device::Cpu, gpu()?);
@@ -447,19 +463,7 @@ fn tile_gemv_matches_cpu_and_skinny_kernel() -> Result<()> {
         (64, 11008, 3.0, 0.005),
         (352, 576, 3.0, 0.005),
     ]
-    .map(|(n, k, bits, outliers)| {
-        // Reordered columns but where no outliers are drawn.
-        let reorder = outliers > 0.0;
-        (
-            n,
-            k,
-            W2416Config {
-                bits,
-                outliers,
-                reorder,
-            },
-        )
-    });
+    .map(gemv_shape);
     let layers = tile_layers(&shapes, 100)?;
     for l in &layers {
         let (n, k) = l.shape();
@@ -539,19 +543,7 @@ fn tile_gemv_fuses_norm_and_residual() -> Result<()> {
         (96, 1000, 3.3, 0.01),
         (352, 576, 3.0, 0.005),
     ]
-    .map(|(n, k, bits, outliers)| {
-        // Reordered columns but where no outliers are drawn.
-        let reorder = outliers > 0.0;
-        (
-            n,
-            k,
-            W2416Config {
-                bits,
-                outliers,
-                reorder,
-            },
-        )
-    });
+    .map(gemv_shape);
     let eps = 1e-5f32;
     for l in &tile_layers(&shapes, 300)? {
         let (n, k) = l.shape();

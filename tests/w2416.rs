@@ -259,6 +259,13 @@ fn reorder_gathers_salient_channels() -> Result<()> {
     let (ea, eb) = (err(&a)?, err(&b)?);
     assert!(ea < 0.8 * eb, "reordered error {ea} vs {eb}");
     assert_eq!(a.bytes(), a.clone().with_perm(None)?.bytes() + 2 * k);
+    // The layer's forward takes x in the input's order.
+    let x = randn(7, &[5, k], 1.0, DType::F32, &cpu)?;
+    let l = w2416::W2416Weights::new(WeightFormat::W2416, a.clone());
+    let y = candle_lowbit::formats::LinearWeights::forward(&l, &x)?;
+    let want = x.matmul(&a.dequantize(DType::F32)?.t()?)?;
+    let d = (y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(d < 1e-4, "forward differs by {d}");
     assert!(a.bytes() as f64 * 8.0 / (n * k) as f64 <= on.bits + 1e-9);
     // Stored and rebuilt.
     let f = WeightFormat::W2416;

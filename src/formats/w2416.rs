@@ -1270,19 +1270,18 @@ pub fn quantize(
         None => Tensor::ones(k, DType::F32, &dev)?,
     };
     // Reordered: the columns by decreasing salience, the Hessian's rows and columns with them.
-    let order = if cfg.reorder {
-        Some(column_order(w, &diag)?)
+    let perm = if cfg.reorder {
+        Some(Perm::new(&column_order(w, &diag)?, &dev)?)
     } else {
         None
     };
-    let (w, hessian, diag) = match &order {
-        Some(o) => {
-            let idx = Tensor::from_vec(o.clone(), k, &dev)?;
+    let (w, hessian, diag) = match &perm {
+        Some(p) => {
             let h = match hessian {
-                Some(h) => Some(h.index_select(&idx, 0)?.index_select(&idx, 1)?),
+                Some(h) => Some(h.index_select(&p.idx, 0)?.index_select(&p.idx, 1)?),
                 None => None,
             };
-            (w.index_select(&idx, 1)?, h, diag.index_select(&idx, 0)?)
+            (w.index_select(&p.idx, 1)?, h, diag.index_select(&p.idx, 0)?)
         }
         None => (w.clone(), hessian.cloned(), diag),
     };
@@ -1352,10 +1351,6 @@ pub fn quantize(
         None
     };
     let codes = pack_codes(&q.codes, &dec.four)?;
-    let perm = match &order {
-        Some(o) => Some(Perm::new(o, &dev)?),
-        None => None,
-    };
     Tiles::new(
         (n, kl),
         codes,

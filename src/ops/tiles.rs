@@ -220,7 +220,15 @@ pub fn tiles_forward(t: &Tiles, x: &Tensor) -> Result<Tensor> {
         return tiles_matmul(t, x, Epi::F16);
     }
     match x.dtype() {
-        DType::F32 | DType::F16 | DType::BF16 => x.matmul(&t.dequantize(x.dtype())?.t()?),
+        DType::F32 | DType::F16 | DType::BF16 => {
+            // The weight in the kernels' column order, x gathered into it (m × k values,
+            // not the n × k of the weight).
+            let w = tiles_dequantize(t, x.dtype())?;
+            match &t.perm {
+                Some(p) => x.index_select(&p.idx, 1)?.matmul(&w.t()?),
+                None => x.matmul(&w.t()?),
+            }
+        }
         dt => candle_core::bail!("tiles: unsupported input dtype {dt:?} (f32, f16, bf16)"),
     }
 }
@@ -325,7 +333,8 @@ fn tiles_matmul_with(t: &Tiles, x: &Tensor, epi: Epi, fuse: Fuse) -> Result<Tens
     })
 }
 
-/// The weight `[n, k]` in `dtype` (f32, f16 or bf16).
+/// The weight `[n, k]` in `dtype` (f32, f16 or bf16), its columns in the kernels' order
+/// (reordered tiles: `Tiles::dequantize` gives the input's).
 pub fn tiles_dequantize(t: &Tiles, dtype: DType) -> Result<Tensor> {
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         candle_core::bail!("tiles_dequantize: unsupported output dtype {dtype:?}")
