@@ -110,7 +110,9 @@
 //!   other keys (w2416-gptq, 3.0 bits, no outliers, this repository's CPU, 16 × 512 in-sample
 //!   calibration tokens, windows 0..8; 2026-12-07, BENCHMARKS.md "Reordered input channels"):
 //!   no reorder 50.91; `H_jj · max w²` **41.63**; `H_jj` 42.46; `H_jj · Σ w²` 42.68;
-//!   `max |w|` alone 46.46. On windows 0..40: 46.61 → **38.19**, where `int3-gptq` (3.27
+//!   `max |w|` alone 46.46 (these 16-window runs move by ~2 % with float summation order
+//!   alone, so the three Hessian-weighted keys are not told apart; magnitude alone is
+//!   clearly worse). On windows 0..40: 46.61 → **38.19**, where `int3-gptq` (3.27
 //!   bits) has 40.93. The column order costs 0.015 bits/weight on this model (2.958 → 2.973).
 //!   The same order makes `int3-gptq` worse (44.16 → 51.85 on windows 0..8): the gain is the
 //!   mixed precision's, whole salient channels in 4-bit tiles. Full text (CPU, f32, 128 × 512
