@@ -36,35 +36,31 @@
 //
 // Work split: pairs of row blocks (plain: 2 p and 2 p + 1, an odd last block computed twice
 // and stored once; SiLU·mul: gate block p and up block p + R/2). A cluster of KS CTAs takes
-// pairs cl, cl + NCL, cl + 2 NCL, ... (NCL clusters), each of its CTAs the column range of its
-// rank (in units of GV_CH tile columns) of every one of them. Compute warp w of a CTA takes
-// block w / 8 and the (w % 8)-th of P equal parts of the CTA's units (P = `parts` <= 8; the
+// pairs cl, cl + NCL, cl + 2 NCL, ... (NCL clusters), each of its CTAs the chunk range of its
+// rank (a chunk = GV_CH tile columns) of every one of them. Compute warp w of a CTA takes
+// block w / 8 and the (w % 8)-th of P equal parts of the CTA's chunks (P = `parts` <= 8; the
 // other compute warps idle); warps GV_WARPS and GV_WARPS + 1 the outliers of blocks 0 and 1
 // (lane = row: the rank's KS-th of the row's run of entries, so that every lane works in
 // every rank; entries and x read from global memory, 8 in flight, the next 8 entries loaded
-// while this 8's x is gathered). Each compute warp streams its columns, pair after pair,
-// through its own ring of GV_STAGES stages: a stage takes a chunk, the longest run of
-// consecutive columns (at most GV_MAXT) whose codes fit its 2048 bytes and scales its 256
-// (four 2-bit tiles, two 4-bit ones), so that 2-bit tiles keep as many bytes in flight as
-// 4-bit ones; lane 0 issues a chunk's codes and scales as bulk copies on the stage's
-// mbarrier GV_STAGES chunks ahead, so the next chunks are in flight while this one is
-// decoded and multiplied (the paper's asynchronous dequantization), across pair boundaries
-// too but never into the pair after next. A pair's descriptors and super scales are copied
-// in by cp.async while the pair before it is computed (double-buffered where a CTA takes
-// several pairs; the host then gives every computing warp at least GV_STAGES two-column
-// units of a pair, so the ring rarely waits at a pair boundary).
+// while this 8's x is gathered). Each compute
+// warp streams its chunks, pair after pair, through its own ring of GV_STAGES stages: lane 0
+// issues a chunk's codes and scales as bulk copies on the stage's mbarrier GV_STAGES chunks
+// ahead, so the next chunks are in flight while this one is decoded and multiplied (the
+// paper's asynchronous dequantization), across pair boundaries too. A pair's descriptors and
+// super scales (and its outlier entries) are copied in by cp.async while the pair before it
+// is computed (double-buffered where a CTA takes several pairs: the host then gives every
+// computing warp at least GV_STAGES chunks of a pair, so the ring is never two pairs ahead).
 // The first chunks are issued before pdl_wait (no kernel writes weights); then x is staged
 // once per CTA in B-fragment order with its column sums. Partial rows are summed in a fixed
 // order (parts, then outliers; then the cluster's ranks in rank order on rank 0, with one
 // cluster barrier per pair): deterministic.
 //
 // Shared memory (dynamic, bytes; NB = 2 buffers where a CTA takes several pairs, else 1):
-// ring [GV_WARPS][GV_STAGES][GV_STAGE] (a stage: 2048 bytes of codes, 256 of scales),
+// ring [GV_WARPS][GV_STAGES][GV_STAGE] (a stage: codes GV_CH x 1024, scales GV_CH x 128),
 // barriers u64 [GV_WARPS][GV_STAGES], xf u32 [C][32] (column c, lane t's 8 B-fragment words
 // (kc, hb) at 8 t + 2 kc + hb), sums f32x4 [C] (sum x, -sum(base2 x), -sum(base4 x), 0),
 // descriptors u32 [NB][2][C], super scales f16 [NB][GV_WARPS][SW][32] (each warp's groups);
-// C = GV_CH x ceil(ceil(G / GV_CH) / KS), SW = C / (16 P) + 3. Static: the partial sums and
-// the chunk records u32 [GV_WARPS][GV_STAGES] (column | count << 16).
+// C = GV_CH x ceil(ceil(G / GV_CH) / KS), SW = C / (16 P) + 3.
 //
 //   x  f16 [1, k]; y EPI 0: f16 [1, n]; EPI 1: f32 [1, n]; EPI 2: f16 [1, n / 2] =
 //   silu(gate) * up, rounded as the unfused pair.
@@ -86,9 +82,6 @@ using namespace lowbit;
 #define GV_STAGES 4
 #define GV_STAGE (GV_CH * 1024 + GV_CH * 128)
 #define GV_SC_OFF (GV_CH * 1024)
-// A stage holds a chunk of up to GV_MAXT consecutive tile columns: as many as fit its
-// GV_SC_OFF bytes of codes (two 4-bit or four 2-bit tiles) and 256 bytes of scales.
-#define GV_MAXT 4
 
 // (v & MASK) | OR in one lop3.
 template <uint32_t MASK, uint32_t OR>
@@ -193,7 +186,6 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
     extern __shared__ __align__(16) uint8_t gv_smem[];
     __shared__ float red_sh[2][GV_WARPS + 2][32];  // [pair & 1][w][row]: compute, then outlier warps
     __shared__ float fin_sh[2][2][32];              // [pair & 1][block][row]: the CTA's sums
-    __shared__ uint32_t chk_sh[GV_WARPS][GV_STAGES];  // each stage's chunk: column | count << 16
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
     const int G = (k + 63) / 64, R = n / 32, NC = (G + GV_CH - 1) / GV_CH, S16 = (G + 15) / 16;
     const int NP = EPI == 2 ? R / 2 : (R + 1) / 2, NCL = gridDim.x / ks;
@@ -221,7 +213,7 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
     const bool computes = warp < GV_WARPS && q < parts;
     const int ch0 = cc0 + (cc1 - cc0) * q / parts, ch1 = cc0 + (cc1 - cc0) * (q + 1) / parts;
     const int nch = computes ? ch1 - ch0 : 0, wg0 = GV_CH * ch0, wg1 = min(GV_CH * ch1, G);
-    int consumed = 0;  // chunks of this warp consumed, over all its pairs
+    const int NI = npc * nch;  // chunks of this warp over all its pairs
     uint8_t* ring = ring_all + warp * GV_STAGES * GV_STAGE;
     uint64_t* bar = bar_all + warp * GV_STAGES;
     const int gshift = __ffs(group / 64) - 1;  // plain: a scale group is 2^gshift tiles
@@ -247,43 +239,24 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
         }
         cp_async_commit();
     };
-    // The next chunk (issue cursor: pair ip, column ig) into its stage: the longest run of
-    // columns from ig that fits a stage (codes, one contiguous run of the block's stream, and
-    // their scales), recorded as ig | count << 16 for the consumer (written before lane 0's
-    // arrive on the stage's mbarrier, read after the wait). The operands computed by the
-    // whole warp, the copies issued by lane 0.
-    int ip = 0, ig = wg0, issued = 0;
-    auto issue_next = [&]() {
-        const int si = issued % GV_STAGES, rb = rb_of(ip, b);
-        const uint32_t* dw = desc_of(ip);
-        const uint32_t o0 = dw[ig] & 0x7fffffffu;
-        const int s0 = ig >> gshift;
-        uint32_t end = o0 + ((dw[ig] >> 31) ? 256u : 128u);  // words
-        int cnt = 1;
-        while (cnt < GV_MAXT && ig + cnt < wg1) {
-            const uint32_t d = dw[ig + cnt];
-            const uint32_t e2 = (d & 0x7fffffffu) + ((d >> 31) ? 256u : 128u);
-            if (4u * (e2 - o0) > (uint32_t)GV_SC_OFF) break;
-            if (!TWO && ((ig + cnt) >> gshift) - s0 + 1 > (GV_STAGE - GV_SC_OFF) / 128) break;
-            end = e2;
-            ++cnt;
-        }
-        const uint32_t cbytes = 4u * (end - o0);
-        const uint32_t sbytes = TWO ? 64u * (uint32_t)cnt : 128u * (uint32_t)(((ig + cnt - 1) >> gshift) - s0 + 1);
-        const void* ssrc = TWO ? (const void*)(sc + ((size_t)rb * G + ig) * 64)
+    // Chunk i (pair i / nch) into its stage: the codes of its columns (one contiguous run of
+    // the block's stream) and their scales; the operands computed by the whole warp, the
+    // copies issued by lane 0.
+    auto issue = [&](int i) {
+        const int j = i / nch, si = i % GV_STAGES, rb = rb_of(j, b);
+        const int g = wg0 + GV_CH * (i - j * nch), ge = min(g + GV_CH, wg1);
+        const uint32_t* dw = desc_of(j);
+        const uint32_t o0 = dw[g] & 0x7fffffffu, dl = dw[ge - 1];
+        const uint32_t cbytes = 4u * ((dl & 0x7fffffffu) + ((dl >> 31) ? 256u : 128u) - o0);
+        const int s0 = g >> gshift;
+        const uint32_t sbytes = TWO ? 64u * (uint32_t)(ge - g) : 128u * (uint32_t)(((ge - 1) >> gshift) - s0 + 1);
+        const void* ssrc = TWO ? (const void*)(sc + ((size_t)rb * G + g) * 64)
                                : (const void*)(plain + ((size_t)rb * SG + s0) * 64);
         if (lane == 0) {
             uint8_t* st = ring + si * GV_STAGE;
-            chk_sh[warp][si] = (uint32_t)ig | ((uint32_t)cnt << 16);
             mbar_expect_tx(&bar[si], (int)(cbytes + sbytes));
             bulk_g2s(st, codes + (size_t)rb * 128 * (G + H) + o0, cbytes, &bar[si]);
             bulk_g2s(st + GV_SC_OFF, ssrc, sbytes, &bar[si]);
-        }
-        ++issued;
-        ig += cnt;
-        if (ig >= wg1) {
-            ig = wg0;
-            ++ip;
         }
     };
     // Outlier warps: lane = row of block ob of pair j; its run of the block's entries, the
@@ -308,7 +281,7 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
         }
         cp_async_wait<0>();
         __syncwarp();
-        while (issued < GV_STAGES && ip == 0) issue_next();
+        for (int i = 0; i < min(GV_STAGES, NI); ++i) issue(i);
     } else if (outl) {
         row_run(0, o_lo, o_hi);
     }
@@ -386,19 +359,17 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
             const uint32_t* dw = desc_of(j);
             const __half* sw = sup_of(j);
             float res = 0.f;
-            bool next_meta = false;  // pair j + 1's descriptors waited for
-            for (int g = wg0; g < wg1;) {
-                const int si = consumed % GV_STAGES;
-                mbar_wait(&bar[si], (consumed / GV_STAGES) & 1);
+            for (int c = 0; c < nch; ++c) {
+                const int i = j * nch + c, si = i % GV_STAGES;
+                mbar_wait(&bar[si], (i / GV_STAGES) & 1);
                 const uint8_t* st = ring + si * GV_STAGE;
-                const uint32_t rc = chk_sh[warp][si];
-                const int cnt = (int)(rc >> 16);
-                g = (int)(rc & 0xffffu);
+                const int g = wg0 + GV_CH * c, ge = min(g + GV_CH, wg1);
                 const uint32_t o0 = dw[g] & 0x7fffffffu;
+                const float ds = TWO ? __half2float(sw[(g / 16) * 32 + lane]) : 0.f;
 #pragma unroll
-                for (int jj = 0; jj < GV_MAXT; ++jj) {
-                    if (jj >= cnt) break;
+                for (int jj = 0; jj < GV_CH; ++jj) {
                     const int gj = g + jj;
+                    if (gj >= ge) break;
                     const uint32_t d = dw[gj];
                     const bool four = (d >> 31) != 0;
                     const uint8_t* tp = st + 4u * ((d & 0x7fffffffu) - o0) + 16 * lane;
@@ -408,7 +379,6 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                     const float4 sm = sm0[gj];
                     float sv, zv;
                     if (TWO) {
-                        const float ds = __half2float(sw[(gj / 16) * 32 + lane]);
                         const uint32_t u = reinterpret_cast<const uint16_t*>(st + GV_SC_OFF + 64 * jj)[lane];
                         gv_two_scales(u, ds, four, sv, zv);
                     } else {
@@ -422,18 +392,13 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                     res = fmaf(zv, sm.x, fmaf(sv, v, res));
                 }
                 __syncwarp();
-                ++consumed;
-                g += cnt;
-                // Refill: this pair and the next (whose descriptors the pair's start staged),
-                // never further, so the descriptor buffers are not overtaken.
-                while (issued - consumed < GV_STAGES && ip < npc && ip <= j + 1) {
-                    if (ip == j + 1 && !next_meta) {
+                if (i + GV_STAGES < NI) {
+                    if ((i + GV_STAGES) % nch == 0) {  // the next pair's first chunk: its descriptors
                         cp_async_wait<0>();
                         __syncwarp();
-                        next_meta = true;
                     }
                     if (lane == 0) fence_proxy_async();
-                    issue_next();
+                    issue(i + GV_STAGES);
                 }
             }
             red_sh[j & 1][warp][(lane >> 2) + 8 * t] = res;

@@ -484,7 +484,7 @@ fn random_weights_are_a_valid_layout() -> Result<()> {
 }
 
 /// The one-token GEMV's split (`ops::gemv_plan`, chosen on the host) at Llama-2-7B / 70B and
-/// SmolLM2 shapes on 132 SMs: its shared memory fits one block (the kernel's 5.25 KiB of static
+/// SmolLM2 shapes on 132 SMs: its shared memory fits one block (the kernel's 5 KiB of static
 /// partial sums counted: the 70B down projection once asked for more and failed to launch),
 /// one wave of blocks, and a block that takes several pairs gives every computing warp at
 /// least four chunks of each pair (its ring's stages: the ring is never two pairs ahead of the
@@ -510,7 +510,7 @@ fn gemv_plans_fit_one_block() {
         let nc = k.div_ceil(64).div_ceil(2);
         let p = gemv_plan(np, nc, 132, None, 0).unwrap_or_else(|| panic!("[{n}, {k}]: no split"));
         println!("[{n}, {k}] (SiLU·mul {silu}): {p:?}");
-        assert!(p.smem + 5376 <= 227 * 1024, "[{n}, {k}]: {p:?}");
+        assert!(p.smem + 5120 <= 227 * 1024, "[{n}, {k}]: {p:?}");
         assert!(
             p.ncl * p.ks <= 132,
             "[{n}, {k}]: {p:?} is more than one wave"

@@ -52,10 +52,9 @@ pub fn force_gemv(mode: Option<(usize, usize)>) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const GV_THREADS: u32 = 18 * 32;
 
-/// Static shared memory of `tiles_gemv` (its partial sums, f32 [2][18][32] and [2][2][32],
-/// and its chunk records, u32 [16][4]), which a block's dynamic shared memory must leave
-/// room for.
-const GV_STATIC_SMEM: usize = 4 * (2 * 18 * 32 + 2 * 2 * 32 + 16 * 4);
+/// Static shared memory of `tiles_gemv` (its partial sums: f32 [2][18][32] and [2][2][32]),
+/// which a block's dynamic shared memory must leave room for.
+const GV_STATIC_SMEM: usize = 4 * (2 * 18 * 32 + 2 * 2 * 32);
 
 /// Shared memory one block may have (sm_90).
 const SMEM_PER_BLOCK: usize = 227 * 1024;
