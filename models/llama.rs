@@ -174,6 +174,46 @@ impl Mlp {
         }
         Ok(h)
     }
+
+    /// The hidden channels renumbered: channel `j` becomes the old channel `order[j]` (the
+    /// gate and up rows taken in that order, the down projection's columns with them).
+    /// `silu(gate) · up` is elementwise, so the block computes exactly what it did. Both
+    /// layers come back dense f32 (this runs right before they are quantized).
+    fn permute_hidden(&mut self, order: &[u32]) -> Result<()> {
+        let ((n2, _), (_, i)) = (self.gate_up.shape(), self.down.shape());
+        let mut seen = vec![false; i];
+        if n2 != 2 * i || order.len() != i {
+            candle_core::bail!(
+                "permute_hidden: an order of {} channels for gate/up [{n2}, _] and down [_, {i}]",
+                order.len()
+            )
+        }
+        for &c in order {
+            match seen.get_mut(c as usize) {
+                Some(s) if !*s => *s = true,
+                _ => candle_core::bail!("permute_hidden: the order is not a permutation of 0..{i}"),
+            }
+        }
+        let dev = self.down.weights().device();
+        let rows: Vec<u32> = order
+            .iter()
+            .chain(order)
+            .enumerate()
+            .map(|(r, &c)| c + (r / i * i) as u32)
+            .collect();
+        let rows = Tensor::from_vec(rows, 2 * i, &dev)?;
+        let cols = Tensor::from_vec(order.to_vec(), i, &dev)?;
+        let gate_up = self.gate_up.dequantize()?.index_select(&rows, 0)?;
+        let b = self
+            .gate_up
+            .bias()
+            .map(|b| b.index_select(&rows, 0))
+            .transpose()?;
+        self.gate_up = QLinear::from_weight(gate_up, b)?;
+        let down = self.down.dequantize()?.index_select(&cols, 1)?;
+        self.down = QLinear::from_weight(down, self.down.bias().cloned())?;
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -440,15 +480,50 @@ impl Llama {
                  (the tools: --calib FILE)"
             )
         }
-        let mut layers = self.linears_mut();
-        let head = layers.pop();
-        for l in layers {
-            *l = l.quantize_with(format, None, opts)?;
+        for layer in 0..self.blocks.len() {
+            self.fold_down_order(layer, format, opts, None)?;
+            for slot in Slot::ALL {
+                let q = self.blocks[layer]
+                    .linear(slot)
+                    .quantize_with(format, None, opts)?;
+                *self.blocks[layer].linear_mut(slot) = q;
+            }
         }
-        if let Some(head) = head {
-            *head = head.quantize(Self::head_format(format))?;
-        }
+        self.lm_head = self.lm_head.quantize(Self::head_format(format))?;
         Ok(())
+    }
+
+    /// Before block `layer` is quantized in `format`: where the format reorders its input
+    /// channels ([`Codec::input_order`](crate::formats::Codec::input_order), `w2416`), the
+    /// down projection's order is taken into the block itself — the gate/up rows and the
+    /// down columns renumbered by it, an exact change of the hidden channels' numbering —
+    /// so that the quantized down projection stores no order and its GEMV reads its input
+    /// as the SiLU·mul epilogue writes it. `hessian`: the down projection's input Hessian
+    /// `[I, I]` (f32) where calibration gave one. Returns it renumbered with the channels
+    /// (unchanged where nothing was folded), for the down projection's quantizer.
+    pub fn fold_down_order(
+        &mut self,
+        layer: usize,
+        format: WeightFormat,
+        opts: &crate::formats::QuantOptions,
+        hessian: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let n = self.blocks.len();
+        let Some(b) = self.blocks.get_mut(layer) else {
+            candle_core::bail!("layer {layer} out of range ({n} layers)")
+        };
+        let w = b.mlp.down.dequantize()?;
+        let Some(order) = format.spec().codec.input_order(&w, hessian, opts)? else {
+            return Ok(hessian.cloned());
+        };
+        b.mlp.permute_hidden(&order)?;
+        match hessian {
+            Some(h) => {
+                let idx = Tensor::from_vec(order, w.dim(1)?, h.device())?;
+                Ok(Some(h.index_select(&idx, 0)?.index_select(&idx, 1)?))
+            }
+            None => Ok(None),
+        }
     }
 
     /// Bits per weight over all linear layers (the output head included), counting every

@@ -51,6 +51,29 @@ impl Slot {
         }
     }
 
+    /// Whether the model folds this layer's input order into the layer before it where the
+    /// format reorders its inputs: the down projection, whose input channels are the gate/up
+    /// rows' ([`crate::Llama::fold_down_order`]). Random weights drawn for speed rows take no
+    /// order here ([`crate::formats::QuantOptions::input_in_order`]).
+    pub fn input_order_folded(&self) -> bool {
+        matches!(self, Self::Down)
+    }
+
+    /// The slot that holds the HF-named part `name` (`model.layers.{i}.mlp.down_proj`).
+    pub fn of_part(name: &str) -> Option<Self> {
+        let tail = name
+            .rsplit_once(".self_attn.")
+            .map(|(_, t)| ("self_attn", t));
+        let tail = tail.or_else(|| name.rsplit_once(".mlp.").map(|(_, t)| ("mlp", t)))?;
+        Some(match tail {
+            ("self_attn", "q_proj" | "k_proj" | "v_proj") => Self::Qkv,
+            ("self_attn", "o_proj") => Self::O,
+            ("mlp", "gate_proj" | "up_proj") => Self::GateUp,
+            ("mlp", "down_proj") => Self::Down,
+            _ => return None,
+        })
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Self::Qkv => "qkv",

@@ -537,13 +537,19 @@ pub fn quantize_model(
             progress.step(&format!("{name} calibrate"));
         }
         report.calibrate_s += clock.lap()?;
+        let hessian = |slot: Slot| match obs.stats.inputs.get(&(layer, slot)) {
+            Some(st) => st.hessian(),
+            None => candle_core::bail!("calibration saw no input for {name} {}", slot.name()),
+        };
+        let down = model.fold_down_order(layer, format, opts, Some(&hessian(Slot::Down)?))?;
         for slot in Slot::ALL {
-            let Some(st) = obs.stats.inputs.get(&(layer, slot)) else {
-                candle_core::bail!("calibration saw no input for {name} {}", slot.name())
+            let h = match (slot, &down) {
+                (Slot::Down, Some(h)) => h.clone(),
+                _ => hessian(slot)?,
             };
             let q = model
                 .linear(layer, slot)?
-                .quantize_with(format, Some(&st.hessian()?), opts)?;
+                .quantize_with(format, Some(&h), opts)?;
             model.set_linear(layer, slot, q)?;
         }
         drop(obs);

@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_lowbit::graph::{GraphDecoder, Mode};
+use candle_lowbit::llama::Slot;
 use candle_lowbit::{Cache, Config, KvFormat, Llama, QLinear, WeightFormat};
 use candle_nn::VarBuilder;
 use candle_transformers::models::{llama as stock_llama, quantized_llama};
@@ -464,16 +465,14 @@ fn quantize_ours(
     if w == WeightFormat::Dense {
         return Ok(());
     }
-    let mut layers = model.linears_mut();
-    let head = layers.pop();
-    for l in layers {
-        let (n, k) = l.shape();
-        *l = protos.copy(n, k, w, dtype)?;
+    for layer in 0..model.num_layers() {
+        for slot in Slot::ALL {
+            let shape = model.linear(layer, slot)?.shape();
+            model.set_linear(layer, slot, protos.copy_for(slot, shape, w, dtype)?)?;
+        }
     }
-    if let Some(h) = head {
-        let (n, k) = h.shape();
-        *h = protos.copy(n, k, Llama::head_format(w), dtype)?;
-    }
+    let (n, k) = model.lm_head().shape();
+    model.set_lm_head(protos.copy(n, k, Llama::head_format(w), dtype)?)?;
     Ok(())
 }
 
@@ -500,9 +499,12 @@ impl candle_lowbit::llama::WeightSource for DirectSource<'_> {
 
     fn linear(&self, parts: &[(String, usize)], in_dim: usize) -> candle_core::Result<QLinear> {
         let rows = parts.iter().map(|(_, r)| r).sum();
+        let Some(slot) = parts.first().and_then(|(name, _)| Slot::of_part(name)) else {
+            candle_core::bail!("bench: no layer slot holds the parts {parts:?}")
+        };
         self.protos
             .borrow_mut()
-            .copy(rows, in_dim, self.format, self.dtype)
+            .copy_for(slot, (rows, in_dim), self.format, self.dtype)
             .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
     }
 

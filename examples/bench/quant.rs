@@ -25,7 +25,8 @@ pub fn ggml_format(dt: GgmlDType, k: usize) -> Option<WeightFormat> {
 pub struct Prototypes {
     dev: Device,
     dense: HashMap<(usize, usize), Tensor>,
-    layers: HashMap<(usize, usize, WeightFormat), QLinear>,
+    /// By shape, format and whether the layer's input order is folded into its producer.
+    layers: HashMap<(usize, usize, WeightFormat, bool), QLinear>,
     /// Draw prototypes directly in their format (random codes and scales, where the format
     /// offers it: models too large to quantize here) instead of quantizing a dense one.
     pub direct: bool,
@@ -69,25 +70,41 @@ impl Prototypes {
         format: WeightFormat,
         dtype: DType,
     ) -> Result<QLinear> {
-        if let Some(l) = self.layers.get(&(n, k, format)) {
+        self.layer_with(n, k, format, dtype, false)
+    }
+
+    /// [`Prototypes::layer`] for a model's layer whose input order the model folds into
+    /// the layer before it (`folded`: `Slot::input_order_folded`), which then stores none.
+    fn layer_with(
+        &mut self,
+        n: usize,
+        k: usize,
+        format: WeightFormat,
+        dtype: DType,
+        folded: bool,
+    ) -> Result<QLinear> {
+        if let Some(l) = self.layers.get(&(n, k, format, folded)) {
             return Ok(l.clone());
         }
+        let opts = match folded {
+            true => self.opts.input_in_order(),
+            false => self.opts.clone(),
+        };
         let t0 = std::time::Instant::now();
         // Formats that need calibration are drawn at random here (speed rows only).
         let drawn = match self.direct || format.needs_calibration() {
-            true => format.spec().codec.random(
-                format,
-                (n, k),
-                &self.opts,
-                (n * 31 + k) as u64,
-                &self.dev,
-            ),
+            true => {
+                format
+                    .spec()
+                    .codec
+                    .random(format, (n, k), &opts, (n * 31 + k) as u64, &self.dev)
+            }
             false => None,
         };
         let l = match drawn {
             Some(w) => QLinear::new(w?, None),
             None => QLinear::from_weight(self.dense(n, k, dtype)?, None)?
-                .quantize_with(format, None, &self.opts)
+                .quantize_with(format, None, &opts)
                 .with_context(|| format!("quantizing [{n}, {k}] to {format}"))?,
         };
         if format != WeightFormat::Dense {
@@ -98,7 +115,7 @@ impl Prototypes {
                 t0.elapsed().as_secs_f64()
             );
         }
-        self.layers.insert((n, k, format), l.clone());
+        self.layers.insert((n, k, format, folded), l.clone());
         Ok(l)
     }
 
@@ -111,6 +128,19 @@ impl Prototypes {
         dtype: DType,
     ) -> Result<QLinear> {
         Ok(self.layer(n, k, format, dtype)?.deep_copy()?)
+    }
+
+    /// A fresh copy of the prototype for a model's layer in `slot` (see
+    /// [`Prototypes::layer_with`]).
+    pub fn copy_for(
+        &mut self,
+        slot: candle_lowbit::llama::Slot,
+        (n, k): (usize, usize),
+        format: WeightFormat,
+        dtype: DType,
+    ) -> Result<QLinear> {
+        let l = self.layer_with(n, k, format, dtype, slot.input_order_folded())?;
+        Ok(l.deep_copy()?)
     }
 
     /// The prototype's GGML bytes as a `QTensor` on `dev` (for stock candle's rows: a

@@ -87,6 +87,17 @@ pub struct QuantOptions {
     pub w4a4: w4a4::W4a4Config,
 }
 
+impl QuantOptions {
+    /// These options for a layer whose input channels are already in the order its format
+    /// would give them (the model folded it into the producer: see
+    /// [`Codec::input_order`]): no order computed or drawn.
+    pub fn input_in_order(&self) -> Self {
+        let mut o = self.clone();
+        o.w2416.reorder = false;
+        o
+    }
+}
+
 /// How a format turns weights into its encoding and back.
 pub trait Codec: Sync {
     /// Encode a dense weight `w` `[n, k]` (any float dtype) on `w`'s device. `hessian` is
@@ -98,6 +109,22 @@ pub trait Codec: Sync {
         hessian: Option<&Tensor>,
         opts: &QuantOptions,
     ) -> Result<Box<dyn LinearWeights>>;
+
+    /// The input-channel order this format's quantizer would give `w` `[n, k]` under
+    /// `hessian` (`order[j]`: the input channel its column `j` reads), for formats that
+    /// reorder (`None` for the others). A model that can move a layer's input channels into
+    /// this order for free — its producer's output rows permuted with them, as the MLP's
+    /// gate/up rows for its down projection — does so before quantizing, and the layer then
+    /// stores no order and reads its input as it comes.
+    fn input_order(
+        &self,
+        w: &Tensor,
+        hessian: Option<&Tensor>,
+        opts: &QuantOptions,
+    ) -> Result<Option<Vec<u32>>> {
+        let _ = (w, hessian, opts);
+        Ok(None)
+    }
 
     /// Rebuild `[n, k]` weights from the tensors [`LinearWeights::tensors`] produced (by
     /// field name), on their device. Rejects missing fields and wrong shapes or dtypes,

@@ -24,7 +24,12 @@
 //! they fill the first tiles, which the selection above makes 4-bit, and the 2-bit tiles hold
 //! channels of like magnitude (narrower ranges). The kernels read the input through the
 //! order (`Perm`: kernel column `j` takes input channel `order[j]`); it costs 2 bytes per
-//! column, counted in the budget.
+//! column, counted in the budget. A model that can renumber a layer's input channels for
+//! free does so instead ([`input_order`], `Codec::input_order`): the Llama folds the down
+//! projection's order into the gate/up rows (`Llama::fold_down_order`), so that layer's
+//! order is the identity, is not stored, and its GEMV reads x as the SiLU·mul epilogue
+//! wrote it. The layers whose input is the residual stream's norm (QKV, gate/up) or the
+//! attention's heads (O) keep theirs.
 //!
 //! **Exclusive outliers**: in the 2-bit tiles only, the `E` weights per 32-row block with the
 //! largest `H_jj (w_j − ŵ_j)²` (about `--outliers` = 0.5 % of the block's weights, `E` a
@@ -118,7 +123,10 @@
 //!   mixed precision's, whole salient channels in 4-bit tiles. Full text (CPU, f32, 128 × 512
 //!   calibration tokens): **36.50 at 2.973 bits against `int3-gptq` 38.21 at 3.271**. Decode
 //!   cost on an H100 (the GEMV reads x through the order): Llama-2-7B shape +6 %, 70B +16 %
-//!   without outliers.
+//!   without outliers, nearly all of the 70B's in the down projection (k = 28 672: 78 µs
+//!   against 47); with the down projection's order folded into the gate/up rows: 7B
+//!   2.76 ms against 2.71 unordered, 70B 17.05 against 17.3 (BENCHMARKS.md "The down
+//!   projection's order folded").
 //! - **Scales fixed before GPTQ** (its static groups): fitting every group's scale and zero
 //!   again to GPTQ's codes under the full Hessian, alternating with GPTQ, gained 3–6 % on a
 //!   CPU subset (52.69 → 49.54 at best, not monotone in the rounds; BENCHMARKS.md "Scales
@@ -1256,26 +1264,23 @@ pub fn quantize(
         )
     }
     let dev = w.device().clone();
-    let diag = match hessian {
-        Some(h) => {
-            if h.dims() != [k, k] {
-                candle_core::bail!("w2416: Hessian {:?} for a [{n}, {k}] weight", h.shape())
-            }
-            let idx = Tensor::arange(0u32, k as u32, &dev)?;
-            let d = h
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .index_select(&idx.affine((k + 1) as f64, 0.0)?, 0)?;
-            let mean = d.mean_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-            d.clamp(mean.abs().max(1e-12) * 1e-6, f32::MAX)?
-        }
-        None => Tensor::ones(k, DType::F32, &dev)?,
-    };
+    let diag = hessian_diag(hessian, k, &dev)?;
     // Reordered: the columns by decreasing salience, the Hessian's rows and columns with them.
-    let perm = if cfg.reorder {
-        Some(Perm::new(&column_order(w, &diag)?, &dev)?)
-    } else {
-        None
+    // An order that is already the identity (the columns were put in it before, e.g. a down
+    // projection whose order was folded into the gate/up rows) is not stored.
+    let order = match cfg.reorder {
+        true => Some(column_order(w, &diag)?),
+        false => None,
+    };
+    let perm = match order {
+        Some(o) if o.iter().enumerate().any(|(i, &c)| c as usize != i) => {
+            Some(Perm::new(&o, &dev)?)
+        }
+        _ => None,
+    };
+    let cfg = &W2416Config {
+        reorder: perm.is_some(),
+        ..*cfg
     };
     let (w, hessian, diag) = match &perm {
         Some(p) => {
@@ -1364,6 +1369,42 @@ pub fn quantize(
         outliers,
     )?
     .with_perm(perm)
+}
+
+/// The Hessian's diagonal `[k]` (f32, clamped above zero), or ones without a Hessian.
+fn hessian_diag(hessian: Option<&Tensor>, k: usize, dev: &Device) -> Result<Tensor> {
+    let Some(h) = hessian else {
+        return Tensor::ones(k, DType::F32, dev);
+    };
+    if h.dims() != [k, k] {
+        candle_core::bail!("w2416: Hessian {:?} for a weight of {k} columns", h.shape())
+    }
+    let idx = Tensor::arange(0u32, k as u32, dev)?;
+    let d = h
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .index_select(&idx.affine((k + 1) as f64, 0.0)?, 0)?;
+    let mean = d.mean_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    d.clamp(mean.abs().max(1e-12) * 1e-6, f32::MAX)
+}
+
+/// The input-channel order [`quantize`] gives `w` `[n, k]` under `hessian` (`[k, k]`, or
+/// none) with `cfg.reorder`, `None` without: column `j` of the tiles reads input channel
+/// `order[j]`. A caller that moves the columns (and the Hessian) into this order first, and
+/// the producer's output rows with them, gets weights that store no order.
+pub fn input_order(
+    w: &Tensor,
+    hessian: Option<&Tensor>,
+    cfg: &W2416Config,
+) -> Result<Option<Vec<u32>>> {
+    if !cfg.reorder {
+        return Ok(None);
+    }
+    let k = w.dim(1)?;
+    Ok(Some(column_order(
+        w,
+        &hessian_diag(hessian, k, w.device())?,
+    )?))
 }
 
 /// The column order of a reordered `w` `[n, k]`: by decreasing `diag_j · max_i w_ij²` (how
@@ -1567,6 +1608,15 @@ impl Codec for W2416Codec {
         let gptq = self.gptq.then_some(&opts.gptq);
         let tiles = quantize(w, hessian, &opts.w2416, gptq)?;
         Ok(Box::new(W2416Weights::new(format, tiles)))
+    }
+
+    fn input_order(
+        &self,
+        w: &Tensor,
+        hessian: Option<&Tensor>,
+        opts: &QuantOptions,
+    ) -> Result<Option<Vec<u32>>> {
+        input_order(w, hessian, &opts.w2416)
     }
 
     fn rebuild(
