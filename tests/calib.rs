@@ -437,3 +437,23 @@ fn w2416_folds_the_down_order_into_the_gate_up_rows() -> Result<()> {
     }
     Ok(())
 }
+
+/// Every part name a slot loads maps back to that slot; other names to none.
+#[test]
+fn slots_are_found_by_their_part_names() {
+    let cfg = tiny_config(4);
+    for slot in Slot::ALL {
+        for (name, _) in slot.parts(&cfg, 3) {
+            assert_eq!(Slot::of_part(&name), Some(slot), "{name}");
+        }
+    }
+    for name in [
+        "model.norm",
+        "lm_head",
+        "model.layers.0.mlp.other",
+        "down_proj",
+    ] {
+        assert_eq!(Slot::of_part(name), None, "{name}");
+    }
+    assert!(Slot::Down.input_order_folded() && !Slot::GateUp.input_order_folded());
+}
