@@ -205,6 +205,18 @@ fn attn_chunk(max_len: usize, batch_rows: usize) -> usize {
     }
 }
 
+/// `CANDLE_LOWBIT_ATTN_CHUNK`: overrides [`attn_chunk`] for dense caches (for measuring;
+/// read once; a multiple of `batch_rows`, else ignored).
+fn attn_chunk_override(batch_rows: usize) -> Option<usize> {
+    static C: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let c = *C.get_or_init(|| {
+        std::env::var("CANDLE_LOWBIT_ATTN_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    c.filter(|&c: &usize| c > 0 && c % batch_rows.max(1) == 0)
+}
+
 /// Keys per block of the tensor-core kernel for caches of more than 8192 rows: the
 /// cache split into as many chunks as keep `heads` (batch × KV heads) × chunks within one
 /// wave of resident blocks (`slots`: [`tc_split_slots_per_sm`] per SM), at most [`TC_MAX_SPLITS`].
@@ -355,6 +367,9 @@ pub(super) fn decode_attention(
             (Some(_), Some(c)) if max_len > 8192 => c,
             (Some(c), None) if max_len > 8192 => {
                 tc_long_chunk_for(max_len, b * nkv, tc_split_slots_per_sm(c) * sm_count(dev)?)
+            }
+            (None, _) => {
+                attn_chunk_override(batch_rows).unwrap_or_else(|| attn_chunk(max_len, batch_rows))
             }
             _ => attn_chunk(max_len, batch_rows),
         };
