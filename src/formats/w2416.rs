@@ -121,7 +121,8 @@
 //!   bits) has 40.93. The column order costs 0.015 bits/weight on this model (2.958 → 2.973).
 //!   The same order makes `int3-gptq` worse (44.16 → 51.85 on windows 0..8): the gain is the
 //!   mixed precision's, whole salient channels in 4-bit tiles. Full text (CPU, f32, 128 × 512
-//!   calibration tokens): **36.50 at 2.973 bits against `int3-gptq` 38.21 at 3.271**. Decode
+//!   calibration tokens): **36.50 at 2.973 bits against `int3-gptq` 38.21 at 3.271** (36.51
+//!   at 2.966 with the down projection's order folded). Decode
 //!   cost on an H100 (the GEMV reads x through the order): Llama-2-7B shape +6 %, 70B +16 %
 //!   without outliers, nearly all of the 70B's in the down projection (k = 28 672: 78 µs
 //!   against 47); with the down projection's order folded into the gate/up rows: 7B
