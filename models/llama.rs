@@ -512,14 +512,15 @@ impl Llama {
         let Some(b) = self.blocks.get_mut(layer) else {
             candle_core::bail!("layer {layer} out of range ({n} layers)")
         };
-        let w = b.mlp.down.dequantize()?;
-        let Some(order) = format.spec().codec.input_order(&w, hessian, opts)? else {
+        let codec = format.spec().codec;
+        let Some(order) = codec.input_order(b.mlp.down.weights(), hessian, opts)? else {
             return Ok(hessian.cloned());
         };
         b.mlp.permute_hidden(&order)?;
         match hessian {
             Some(h) => {
-                let idx = Tensor::from_vec(order, w.dim(1)?, h.device())?;
+                let i = order.len();
+                let idx = Tensor::from_vec(order, i, h.device())?;
                 Ok(Some(h.index_select(&idx, 0)?.index_select(&idx, 1)?))
             }
             None => Ok(None),

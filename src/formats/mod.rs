@@ -110,7 +110,8 @@ pub trait Codec: Sync {
         opts: &QuantOptions,
     ) -> Result<Box<dyn LinearWeights>>;
 
-    /// The input-channel order this format's quantizer would give `w` `[n, k]` under
+    /// The input-channel order this format's quantizer would give the weights `w` `[n, k]`
+    /// (in any format: a reordering format dequantizes them, the others read nothing) under
     /// `hessian` (`order[j]`: the input channel its column `j` reads), for formats that
     /// reorder (`None` for the others). A model that can move a layer's input channels into
     /// this order for free — its producer's output rows permuted with them, as the MLP's
@@ -118,7 +119,7 @@ pub trait Codec: Sync {
     /// stores no order and reads its input as it comes.
     fn input_order(
         &self,
-        w: &Tensor,
+        w: &dyn LinearWeights,
         hessian: Option<&Tensor>,
         opts: &QuantOptions,
     ) -> Result<Option<Vec<u32>>> {

@@ -1613,11 +1613,14 @@ impl Codec for W2416Codec {
 
     fn input_order(
         &self,
-        w: &Tensor,
+        w: &dyn LinearWeights,
         hessian: Option<&Tensor>,
         opts: &QuantOptions,
     ) -> Result<Option<Vec<u32>>> {
-        input_order(w, hessian, &opts.w2416)
+        match opts.w2416.reorder {
+            true => input_order(&w.dequantize()?, hessian, &opts.w2416),
+            false => Ok(None),
+        }
     }
 
     fn rebuild(
