@@ -99,8 +99,10 @@
 //!   bits per outlier plus 32 per row. w2416-gptq at 3.0 bits: 45.66 with 0.5 % outliers,
 //!   43.95 without (their bytes cost a 4-bit tile per block); round to nearest at 2.9 bits:
 //!   131.7 with, 166.6 without. Reordered (below), on a CPU subset (windows 0..8): 45.95 with
-//!   0.5 %, 41.63 without. So the default is none since 2026-12-07 (it also spares the GEMV
-//!   its outlier warps' gathers); `--outliers 0.005` is the paper's setting.
+//!   0.5 %, 41.63 without; full text on the H200, reordered: 37.77 with against 35.87 without
+//!   at 3.0 bits, 35.12 against 33.52 at 3.3, but 53.31 against 67.75 at 2.5 (where no 4-bit
+//!   tile fits the budget at k = 576). So the default is none since 2026-12-07 (it also spares
+//!   the GEMV its outlier warps' gathers); `--outliers 0.005` is the paper's setting.
 //! - **Zero in eighths of the step** (not an absolute code under the super scale): bounded
 //!   error for small groups next to large ones; not compared by perplexity.
 //! - **Range search** of 80 shrink factors with the Hessian diagonal as weights, for both
@@ -122,7 +124,9 @@
 //!   The same order makes `int3-gptq` worse (44.16 → 51.85 on windows 0..8): the gain is the
 //!   mixed precision's, whole salient channels in 4-bit tiles. Full text (CPU, f32, 128 × 512
 //!   calibration tokens): **36.50 at 2.973 bits against `int3-gptq` 38.21 at 3.271** (36.51
-//!   at 2.966 with the down projection's order folded). Decode
+//!   at 2.966 with the down projection's order folded); on the H200 in f16, the whole table
+//!   (2.5 / 3.0 / 3.3 bits, outliers, round to nearest, the uniform baselines) in BENCHMARKS.md
+//!   "The table redone on an H200": **35.87 at 2.966 bits against 38.33**. Decode
 //!   cost on an H100 (the GEMV reads x through the order): Llama-2-7B shape +6 %, 70B +16 %
 //!   without outliers, nearly all of the 70B's in the down projection (k = 28 672: 78 µs
 //!   against 47); with the down projection's order folded into the gate/up rows: 7B
