@@ -218,10 +218,10 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
     uint64_t* bar = bar_all + warp * GV_STAGES;
     const int gshift = __ffs(group / 64) - 1;  // plain: a scale group is 2^gshift tiles
     const int SG = (k + group - 1) / group;
-    // This warp's descriptors and super scales of pair j (buffer j % NB), by absolute column /
+    // This warp's descriptors and super scales of pair j (buffer j & (NB - 1), NB being 1 or 2), by absolute column /
     // super group.
-    auto desc_of = [&](int j) -> uint32_t* { return desc_sh + ((j % NB) * 2 + b) * C - cg0; };
-    auto sup_of = [&](int j) -> __half* { return sup_sh + (((j % NB) * GV_WARPS + warp) * SW - wg0 / 16) * 32; };
+    auto desc_of = [&](int j) -> uint32_t* { return desc_sh + ((j & (NB - 1)) * 2 + b) * C - cg0; };
+    auto sup_of = [&](int j) -> __half* { return sup_sh + (((j & (NB - 1)) * GV_WARPS + warp) * SW - wg0 / 16) * 32; };
     // Pair j's descriptors (computed where every tile or none is 4-bit) and super scales into
     // its buffer, by cp.async (one group).
     auto stage_meta = [&](int j) {
@@ -239,12 +239,19 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
         }
         cp_async_commit();
     };
-    // Chunk i (pair i / nch) into its stage: the codes of its columns (one contiguous run of
-    // the block's stream) and their scales; the operands computed by the whole warp, the
-    // copies issued by lane 0.
-    auto issue = [&](int i) {
-        const int j = i / nch, si = i % GV_STAGES, rb = rb_of(j, b);
-        const int g = wg0 + GV_CH * (i - j * nch), ge = min(g + GV_CH, wg1);
+    // The next chunk to issue is chunk ic of pair ij (chunk ij * nch + ic of the warp's run):
+    // counted, not divided out of the chunk's index, which would cost two integer divisions
+    // per chunk in the loop.
+    int ij = 0, ic = 0;
+    // That chunk into stage si: the codes of its columns (one contiguous run of the block's
+    // stream) and their scales, by lane 0; then the next chunk is the one after it.
+    auto issue = [&](int si) {
+        const int j = ij, rb = rb_of(j, b);
+        const int g = wg0 + GV_CH * ic, ge = min(g + GV_CH, wg1);
+        if (++ic == nch) {
+            ic = 0;
+            ++ij;
+        }
         const uint32_t* dw = desc_of(j);
         const uint32_t o0 = dw[g] & 0x7fffffffu, dl = dw[ge - 1];
         const uint32_t cbytes = 4u * ((dl & 0x7fffffffu) + ((dl >> 31) ? 256u : 128u) - o0);
@@ -281,7 +288,7 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
         }
         cp_async_wait<0>();
         __syncwarp();
-        for (int i = 0; i < min(GV_STAGES, NI); ++i) issue(i);
+        for (int i = 0; i < min(GV_STAGES, NI); ++i) issue(i);  // stage i: chunk i of pair 0
     } else if (outl) {
         row_run(0, o_lo, o_hi);
     }
@@ -360,12 +367,12 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
             const __half* sw = sup_of(j);
             float res = 0.f;
             for (int c = 0; c < nch; ++c) {
-                const int i = j * nch + c, si = i % GV_STAGES;
-                mbar_wait(&bar[si], (i / GV_STAGES) & 1);
+                const int i = j * nch + c, si = (uint32_t)i % GV_STAGES;  // unsigned: no sign fixups
+                mbar_wait(&bar[si], ((uint32_t)i / GV_STAGES) & 1);
                 const uint8_t* st = ring + si * GV_STAGE;
                 const int g = wg0 + GV_CH * c, ge = min(g + GV_CH, wg1);
                 const uint32_t o0 = dw[g] & 0x7fffffffu;
-                const float ds = TWO ? __half2float(sw[(g / 16) * 32 + lane]) : 0.f;
+                const float ds = TWO ? __half2float(sw[((uint32_t)g / 16) * 32 + lane]) : 0.f;
 #pragma unroll
                 for (int jj = 0; jj < GV_CH; ++jj) {
                     const int gj = g + jj;
@@ -392,13 +399,13 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
                     res = fmaf(zv, sm.x, fmaf(sv, v, res));
                 }
                 __syncwarp();
-                if (i + GV_STAGES < NI) {
-                    if ((i + GV_STAGES) % nch == 0) {  // the next pair's first chunk: its descriptors
+                if (i + GV_STAGES < NI) {  // chunk i + GV_STAGES, into this chunk's stage
+                    if (ic == 0) {  // the next pair's first chunk: its descriptors
                         cp_async_wait<0>();
                         __syncwarp();
                     }
                     if (lane == 0) fence_proxy_async();
-                    issue(i + GV_STAGES);
+                    issue(si);
                 }
             }
             red_sh[j & 1][warp][(lane >> 2) + 8 * t] = res;

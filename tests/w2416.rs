@@ -487,11 +487,11 @@ fn random_weights_are_a_valid_layout() -> Result<()> {
 /// SmolLM2 shapes on 132 SMs: its shared memory fits one block (the kernel's 5 KiB of static
 /// partial sums counted: the 70B down projection once asked for more and failed to launch),
 /// one wave of blocks, and a block that takes several pairs gives every computing warp at
-/// least four chunks of each pair (its ring's stages: the ring is never two pairs ahead of the
-/// pair being computed).
+/// least as many chunks of each pair as its ring has stages (the ring is never two pairs ahead
+/// of the pair being computed).
 #[test]
 fn gemv_plans_fit_one_block() {
-    use candle_lowbit::ops::gemv_plan;
+    use candle_lowbit::ops::{gemv_plan, GV_CH, GV_STAGES};
     for (n, k, silu) in [
         (12288usize, 4096usize, false),
         (4096, 4096, false),
@@ -507,7 +507,7 @@ fn gemv_plans_fit_one_block() {
     ] {
         let r = n / 32;
         let np = if silu { r / 2 } else { r.div_ceil(2) };
-        let nc = k.div_ceil(64).div_ceil(2);
+        let nc = k.div_ceil(64).div_ceil(GV_CH);
         let p = gemv_plan(np, nc, 132, None, 0).unwrap_or_else(|| panic!("[{n}, {k}]: no split"));
         println!("[{n}, {k}] (SiLU·mul {silu}): {p:?}");
         assert!(p.smem + 5120 <= 227 * 1024, "[{n}, {k}]: {p:?}");
@@ -517,8 +517,8 @@ fn gemv_plans_fit_one_block() {
         );
         if np.div_ceil(p.ncl) > 1 {
             assert!(
-                nc / p.ks / p.parts >= 4,
-                "[{n}, {k}]: {p:?} leaves a warp < 4 chunks"
+                nc / p.ks / p.parts >= GV_STAGES,
+                "[{n}, {k}]: {p:?} leaves a warp fewer chunks than stages"
             );
         }
     }

@@ -30,7 +30,7 @@ pub use tiles::{
     tiles_plan, TILES_GEMM_MAX_M, TILES_MAX_M,
 };
 #[doc(hidden)]
-pub use tiles_gemv::{force_gemv, gemv_plan, GemvPlan};
+pub use tiles_gemv::{force_gemv, gemv_plan, GemvPlan, GV_CH, GV_STAGES};
 pub use uniform::{uniform_dequantize, uniform_pack};
 pub use w4a4::{
     tensor_bytes, w4a4_matmul, w4a4_matmul_with, w4a4_quantize, ActSource, W4a4Kernel,

@@ -27,7 +27,7 @@ pub(super) fn gemv_ok(t: &Tiles) -> bool {
 pub(super) fn gemv_fits(t: &Tiles) -> bool {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = t.device() {
-        let nc = crate::formats::w2416::tile_cols(t.k).div_ceil(2);
+        let nc = crate::formats::w2416::tile_cols(t.k).div_ceil(GV_CH);
         return crate::kernels::sm_count(&d)
             .is_ok_and(|sms| gemv_plan((t.n / 32).div_ceil(2), nc, sms, None, 0).is_some());
     }
@@ -47,6 +47,16 @@ thread_local! {
 pub fn force_gemv(mode: Option<(usize, usize)>) {
     GEMV_FORCE.with(|c| c.set(mode.filter(|&(ks, _)| ks <= 8)));
 }
+
+/// Tile columns per chunk (`GV_CH` of cuda/tiles_gemv.cu): what one stage of a warp's ring
+/// holds, and the unit of the host's split.
+pub const GV_CH: usize = 2;
+
+/// Stages of each computing warp's ring (`GV_STAGES`): chunks in flight.
+pub const GV_STAGES: usize = 4;
+
+/// Bytes of a stage (`GV_STAGE`): `GV_CH` tiles' codes at the 4-bit size and their scales.
+const GV_STAGE: usize = GV_CH * (1024 + 128);
 
 /// Warps of `tiles_gemv` (cuda/tiles_gemv.cu): 16 computing, 2 for the outliers.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -72,23 +82,23 @@ pub struct GemvPlan {
 }
 
 /// Dynamic shared memory of `tiles_gemv` (the layout in cuda/tiles_gemv.cu): the warps'
-/// rings (16 warps x 4 stages of 2304 bytes) and barriers, then for `c` columns x in
+/// rings (16 warps x [`GV_STAGES`] stages) and barriers, then for `c` columns x in
 /// fragment order and its sums, `nb` buffers of two blocks' descriptors and the warps'
 /// super scales (outlier entries are read from global memory).
 fn gemv_smem(c: usize, nb: usize, parts: usize) -> usize {
     const WARPS: usize = 16;
-    WARPS * 4 * (2304 + 8)
+    WARPS * GV_STAGES * (GV_STAGE + 8)
         + c * (128 + 16)
         + nb * 2 * c * 4
         + nb * WARPS * (c / (16 * parts) + 3) * 64
 }
 
-/// The split of `np` row-block pairs of `nc` two-column chunks (`e` outliers per block)
+/// The split of `np` row-block pairs of `nc` chunks of [`GV_CH`] tile columns
 /// over `sms` SMs (one block each): the least estimated time, counted in pairs per SM
 /// (pairs per cluster times the widest block's share of a pair's chunks, over a rate that
 /// falls when fewer than 8 warps per block compute), among splits whose shared memory fits,
 /// whose blocks have at least two chunks each, and where a block that takes several pairs
-/// gives each computing warp at least 4 chunks of a pair (its ring stages). `ks` forces the
+/// gives each computing warp at least [`GV_STAGES`] chunks of a pair (its ring's stages). `ks` forces the
 /// cluster size, `most > 0` caps the clusters (tests and measurements); `None` where nothing
 /// fits (very wide rows).
 #[doc(hidden)]
@@ -107,11 +117,11 @@ pub fn gemv_plan(
         let ncl = (sms / ks).clamp(1, np.max(1));
         let ncl = if most > 0 { ncl.min(most) } else { ncl };
         let per = np.div_ceil(ncl);
-        let (c, nb) = (2 * nc.div_ceil(ks), if per > 1 { 2 } else { 1 });
+        let (c, nb) = (GV_CH * nc.div_ceil(ks), if per > 1 { 2 } else { 1 });
         let fewest = nc / ks; // chunks of the block with the fewest
         let Some(parts) = [8, 4, 2, 1]
             .into_iter()
-            .find(|&p| per == 1 || fewest / p >= 4)
+            .find(|&p| per == 1 || fewest / p >= GV_STAGES)
         else {
             continue;
         };
@@ -144,7 +154,7 @@ pub(super) use cuda::gemv;
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{gemv_plan, GEMV_FORCE, GV_THREADS};
+    use super::{gemv_plan, GEMV_FORCE, GV_CH, GV_THREADS};
     use crate::formats::w2416::Tiles;
     use crate::kernels::{contiguous_view, dptr, ptx, sm_count, Arg};
     use crate::ops::tiles::cuda::{
@@ -200,7 +210,7 @@ mod cuda {
             .map(|(ks, _)| ks)
             .or_else(|| env_override(&KS, "CANDLE_LOWBIT_GEMV_KS", |v| (1..=8).contains(&v)));
         let most = test.map_or(0, |(_, cl)| cl);
-        let Some(plan) = gemv_plan(pairs, g.div_ceil(2), sm_count(&dev)?, forced, most) else {
+        let Some(plan) = gemv_plan(pairs, g.div_ceil(GV_CH), sm_count(&dev)?, forced, most) else {
             // No split fits shared memory (very wide rows): the skinny kernel.
             if fuse.norm.is_some() || fuse.add.is_some() {
                 candle_core::bail!(
