@@ -78,10 +78,12 @@ using namespace lowbit;
 #define GV_WARPS 16
 #define GV_PARTS 8
 #define GV_THREADS (32 * (GV_WARPS + 2))
-#define GV_CH 2
-#define GV_STAGES 4
+#define GV_CH 4
+#define GV_STAGES 2
 #define GV_STAGE (GV_CH * 1024 + GV_CH * 128)
 #define GV_SC_OFF (GV_CH * 1024)
+// A chunk's tiles share one super scale (a super group is 16 tiles).
+static_assert(16 % GV_CH == 0, "GV_CH must divide 16");
 
 // (v & MASK) | OR in one lop3.
 template <uint32_t MASK, uint32_t OR>

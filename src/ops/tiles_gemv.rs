@@ -50,10 +50,10 @@ pub fn force_gemv(mode: Option<(usize, usize)>) {
 
 /// Tile columns per chunk (`GV_CH` of cuda/tiles_gemv.cu): what one stage of a warp's ring
 /// holds, and the unit of the host's split.
-pub const GV_CH: usize = 2;
+pub const GV_CH: usize = 4;
 
 /// Stages of each computing warp's ring (`GV_STAGES`): chunks in flight.
-pub const GV_STAGES: usize = 4;
+pub const GV_STAGES: usize = 2;
 
 /// Bytes of a stage (`GV_STAGE`): `GV_CH` tiles' codes at the 4-bit size and their scales.
 const GV_STAGE: usize = GV_CH * (1024 + 128);
@@ -97,7 +97,7 @@ fn gemv_smem(c: usize, nb: usize, parts: usize) -> usize {
 /// over `sms` SMs (one block each): the least estimated time, counted in pairs per SM
 /// (pairs per cluster times the widest block's share of a pair's chunks, over a rate that
 /// falls when fewer than 8 warps per block compute), among splits whose shared memory fits,
-/// whose blocks have at least two chunks each, and where a block that takes several pairs
+/// whose blocks have at least two chunks each (one where `ks` is forced), and where a block that takes several pairs
 /// gives each computing warp at least [`GV_STAGES`] chunks of a pair (its ring's stages). `ks` forces the
 /// cluster size, `most > 0` caps the clusters (tests and measurements); `None` where nothing
 /// fits (very wide rows).
@@ -110,9 +110,11 @@ pub fn gemv_plan(
     most: usize,
 ) -> Option<GemvPlan> {
     let mut best: Option<(f64, GemvPlan)> = None;
+    let forced = ks;
     for ks in ks.map_or(1..=8, |f| f..=f) {
-        if ks > 1 && nc / ks < 2 {
-            continue; // a block of the cluster with fewer than two chunks
+        // Every block of the cluster gets two chunks or more (one where the size is forced).
+        if ks > 1 && nc / ks < if forced.is_some() { 1 } else { 2 } {
+            continue;
         }
         let ncl = (sms / ks).clamp(1, np.max(1));
         let ncl = if most > 0 { ncl.min(most) } else { ncl };
