@@ -462,6 +462,8 @@ fn tile_gemv_matches_cpu_and_skinny_kernel() -> Result<()> {
         (224, 2304, 2.5, 0.0),
         (64, 11008, 3.0, 0.005),
         (352, 576, 3.0, 0.005),
+        // 11 tile columns: a last chunk of 3 tiles (of GV_CH = 4).
+        (96, 704, 3.0, 0.005),
     ]
     .map(gemv_shape);
     let layers = tile_layers(&shapes, 100)?;
@@ -479,8 +481,8 @@ fn tile_gemv_matches_cpu_and_skinny_kernel() -> Result<()> {
         force_gemv(None);
         let skinny = skinny?;
         // Every cluster size, with one pair per cluster and with one or two clusters taking
-        // every pair (the rings run on across pairs; splits that cannot give every warp four
-        // chunks of a pair fall back to the skinny kernel, also checked here).
+        // every pair (the rings run on across pairs; splits that cannot give every warp
+        // GV_STAGES chunks of a pair fall back to the skinny kernel, also checked here).
         for (ks, cl) in [
             (1usize, 0usize),
             (2, 0),
