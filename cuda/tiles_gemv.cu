@@ -220,8 +220,8 @@ __device__ void tiles_gemv(const __half* __restrict__ x, const uint32_t* __restr
     uint64_t* bar = bar_all + warp * GV_STAGES;
     const int gshift = __ffs(group / 64) - 1;  // plain: a scale group is 2^gshift tiles
     const int SG = (k + group - 1) / group;
-    // This warp's descriptors and super scales of pair j (buffer j & (NB - 1), NB being 1 or 2), by absolute column /
-    // super group.
+    // This warp's descriptors and super scales of pair j (buffer j & (NB - 1), NB being 1 or
+    // 2), by absolute column / super group.
     auto desc_of = [&](int j) -> uint32_t* { return desc_sh + ((j & (NB - 1)) * 2 + b) * C - cg0; };
     auto sup_of = [&](int j) -> __half* { return sup_sh + (((j & (NB - 1)) * GV_WARPS + warp) * SW - wg0 / 16) * 32; };
     // Pair j's descriptors (computed where every tile or none is 4-bit) and super scales into

@@ -97,10 +97,10 @@ fn gemv_smem(c: usize, nb: usize, parts: usize) -> usize {
 /// over `sms` SMs (one block each): the least estimated time, counted in pairs per SM
 /// (pairs per cluster times the widest block's share of a pair's chunks, over a rate that
 /// falls when fewer than 8 warps per block compute), among splits whose shared memory fits,
-/// whose blocks have at least two chunks each (one where `ks` is forced), and where a block that takes several pairs
-/// gives each computing warp at least [`GV_STAGES`] chunks of a pair (its ring's stages). `ks` forces the
-/// cluster size, `most > 0` caps the clusters (tests and measurements); `None` where nothing
-/// fits (very wide rows).
+/// whose blocks have at least two chunks each (one where `ks` is forced), and where a block
+/// that takes several pairs gives each computing warp at least [`GV_STAGES`] chunks of a pair
+/// (its ring's stages). `ks` forces the cluster size, `most > 0` caps the clusters (tests and
+/// measurements); `None` where nothing fits (very wide rows).
 #[doc(hidden)]
 pub fn gemv_plan(
     np: usize,
@@ -110,10 +110,10 @@ pub fn gemv_plan(
     most: usize,
 ) -> Option<GemvPlan> {
     let mut best: Option<(f64, GemvPlan)> = None;
-    let forced = ks;
+    // Chunks every block of a cluster must get: two, or one where the size is forced.
+    let min_chunks = if ks.is_some() { 1 } else { 2 };
     for ks in ks.map_or(1..=8, |f| f..=f) {
-        // Every block of the cluster gets two chunks or more (one where the size is forced).
-        if ks > 1 && nc / ks < if forced.is_some() { 1 } else { 2 } {
+        if ks > 1 && nc / ks < min_chunks {
             continue;
         }
         let ncl = (sms / ks).clamp(1, np.max(1));
