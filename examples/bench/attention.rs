@@ -87,20 +87,35 @@ pub fn run(ctx: &mut Ctx) -> Result<()> {
             vec![1, 8, 32],
         )
     };
+    // Plus the decode step's own attention at the bench's `e2e` context (128): the
+    // Llama-2-7B shape and the Llama-2-70B one (64 query heads over 8 KV heads), batch 1.
+    let steps = if ctx.quick {
+        vec![]
+    } else {
+        vec![
+            (shape("mha", 32, 32, 128), 128),
+            (shape("gqa64", 64, 8, 128), 128),
+        ]
+    };
+    let mut cases = Vec::new();
     for s in &shapes {
         for &len in &lens {
             for &b in &batches {
-                let names: Vec<String> = std::iter::once(name(s.name, len, b, "candle-f16"))
-                    .chain(
-                        KvFormat::ALL
-                            .iter()
-                            .map(|f| name(s.name, len, b, &ours_name(*f))),
-                    )
-                    .collect();
-                let label = format!("{} L={len} batch={b}", s.name);
-                ctx.run_case("attention", names, &label, |c, w| run_case(c, s, len, b, w))?;
+                cases.push((s, len, b));
             }
         }
+    }
+    cases.extend(steps.iter().map(|(s, l)| (s, *l, 1)));
+    for (s, len, b) in cases {
+        let names: Vec<String> = std::iter::once(name(s.name, len, b, "candle-f16"))
+            .chain(
+                KvFormat::ALL
+                    .iter()
+                    .map(|f| name(s.name, len, b, &ours_name(*f))),
+            )
+            .collect();
+        let label = format!("{} L={len} batch={b}", s.name);
+        ctx.run_case("attention", names, &label, |c, w| run_case(c, s, len, b, w))?;
     }
     Ok(())
 }
