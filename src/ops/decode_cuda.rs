@@ -265,24 +265,26 @@ fn tc_long_chunk() -> Option<usize> {
 const ATTN_CLUSTER: usize = 8;
 
 /// Blocks that share a KV head's `g` query heads in the generic kernel (`hsplit`, a power of
-/// two dividing `g`): the most that keep the launch's `blocks` (per split) within two per
-/// SM. `CANDLE_LOWBIT_ATTN_HSPLIT` overrides it (for measuring; read once; 1 turns it off).
+/// two dividing `g`). Off (1) unless `CANDLE_LOWBIT_ATTN_HSPLIT` asks (read once): `auto`
+/// takes the most that keep the launch's `blocks` (per split) within two per SM, a number
+/// forces it. Built 2026-12-07 for the Llama-2-70B shape (8 query heads per KV head: one
+/// block's serial work, ~21 µs of each layer at ctx 128 on an H100) and not yet run on a GPU:
+/// the default stays off until `tests/cuda_ops.rs` passes with it and the bench measures it.
 fn attn_hsplit(g: usize, blocks: usize, sms: usize) -> usize {
-    static H: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = *H.get_or_init(|| {
-        std::env::var("CANDLE_LOWBIT_ATTN_HSPLIT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    });
+    static H: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let mode = H.get_or_init(|| std::env::var("CANDLE_LOWBIT_ATTN_HSPLIT").ok());
     let fits = |h: usize| g % h == 0 && h.is_power_of_two();
-    if let Some(h) = forced.filter(|&h| fits(h)) {
-        return h;
+    match mode.as_deref() {
+        Some("auto") => {
+            let mut h = 1;
+            while fits(2 * h) && blocks * 2 * h <= 2 * sms {
+                h *= 2;
+            }
+            h
+        }
+        Some(v) => v.parse().ok().filter(|&h| fits(h)).unwrap_or(1),
+        None => 1,
     }
-    let mut h = 1;
-    while fits(2 * h) && blocks * 2 * h <= 2 * sms {
-        h *= 2;
-    }
-    h
 }
 
 /// Whether to launch decode attention in thread-block clusters: the device runs them
