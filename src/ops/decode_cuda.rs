@@ -273,7 +273,7 @@ const ATTN_CLUSTER: usize = 8;
 fn attn_hsplit(g: usize, blocks: usize, sms: usize) -> usize {
     static H: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let mode = H.get_or_init(|| std::env::var("CANDLE_LOWBIT_ATTN_HSPLIT").ok());
-    let fits = |h: usize| h.is_power_of_two() && g % h == 0;
+    let fits = |h: usize| h.is_power_of_two() && g.is_multiple_of(h);
     match mode.as_deref() {
         Some("auto") => {
             let mut h = 1;
