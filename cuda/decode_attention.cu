@@ -78,6 +78,8 @@ struct AttnParams {
     uint32_t* counters;
     void* out;
     int nh, nkv, hd, max_len, n_split, chunk, cluster, rec;
+    int hsplit;  // blocks sharing a KV head's query heads (grid y = nkv * hsplit): 1 but for
+                 // the generic kernel at batch 1 in clusters
     float scale, pad;
     const uint8_t* kv_end;  // one past the cache's last byte (K and V)
     KvThr thr_k, thr_v;
@@ -91,11 +93,13 @@ struct AttnParams {
 template <typename T>
 __device__ void attn_finish(const AttnParams& p, float* o_sh, float* m_sh, float* l_sh, bool* last_sh,
                             int n_active, bool in_cluster) {
-    const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
-    const int nh = p.nh, nkv = p.nkv, hd = p.hd, n_split = p.n_split, g = nh / nkv;
+    // Block y of a sequence holds query heads y g .. y g + g - 1 (g = nh / (nkv hsplit)).
+    const int split = blockIdx.x, y = blockIdx.y, s = blockIdx.z;
+    const int nh = p.nh, hd = p.hd, n_split = p.n_split, g = nh / (p.nkv * p.hsplit);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     T* out = static_cast<T*>(p.out);
-    const size_t row0 = (size_t)s * nh + (size_t)kvh * g;  // first query head of this block
+    const size_t row0 = (size_t)s * nh + (size_t)y * g;  // first query head of this block
+    const size_t cnt = (size_t)s * gridDim.y + y;        // this block's merge counter
     if (n_active == 1) {
         for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x)
             out[row0 * hd + idx] = from_f32<T>(o_sh[idx] / l_sh[idx / hd]);
@@ -159,7 +163,7 @@ __device__ void attn_finish(const AttnParams& p, float* o_sh, float* m_sh, float
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        const uint32_t ticket = atomicAdd(&p.counters[(size_t)s * nkv + kvh], 1u);
+        const uint32_t ticket = atomicAdd(&p.counters[cnt], 1u);
         *last_sh = ticket == (uint32_t)(n_active - 1);
     }
     __syncthreads();
@@ -200,12 +204,15 @@ __device__ void attn_finish(const AttnParams& p, float* o_sh, float* m_sh, float
         }
         out[(row0 + hh) * hd + d] = from_f32<T>(o / l_sh[hh]);
     }
-    if (threadIdx.x == 0) p.counters[(size_t)s * nkv + kvh] = 0;
+    if (threadIdx.x == 0) p.counters[cnt] = 0;
 }
 
 
-// grid (n_split, nkv, b), block ATTN_THREADS, dynamic smem
-// (g*hd + g*chunk + ATTN_THREADS*EPL*g) floats.
+// grid (n_split, nkv * hsplit, b), block ATTN_THREADS, dynamic smem
+// (g*hd + g*chunk + ATTN_THREADS*EPL*g) floats, g = nh / (nkv * hsplit): with hsplit > 1
+// (batch 1 in clusters, short caches) a KV head's query heads are split over hsplit blocks,
+// each reading the head's keys (from L2) for its own g heads; the first of them appends
+// (off unless CANDLE_LOWBIT_ATTN_HSPLIT asks: not yet run on a GPU, see src/ops/decode_cuda.rs).
 template <typename T, typename E, bool APPEND>
 __device__ void attn_decode(const AttnParams& p) {
     constexpr int EPL = E::EPL, UNROLL = E::UNROLL;
@@ -218,9 +225,11 @@ __device__ void attn_decode(const AttnParams& p) {
     // Before pdl_wait only what no kernel of this step writes: pos and pads (set by the
     // previous step's advance_pos, which does not trigger early, or by host copies) and
     // the cache rows before the new one.
-    const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    // Block y: KV head y / hsplit, query heads y g .. y g + g - 1 of the sequence.
+    const int split = blockIdx.x, kvh = blockIdx.y / p.hsplit, s = blockIdx.z;
     const int nh = p.nh, nkv = p.nkv, hd = p.hd, chunk = p.chunk, n_split = p.n_split;
-    const int g = nh / nkv;
+    const int g = nh / (nkv * p.hsplit);
+    const bool writes = blockIdx.y % p.hsplit == 0;  // of a KV head's blocks, the one that appends
     const int lpk = hd / EPL;               // lanes per K/V row
     const int rows_per_pass = ATTN_THREADS / lpk;
     const int len = (int)p.pos[0] + 1, j_new = len - 1;  // j_new: the current token's row
@@ -268,7 +277,7 @@ __device__ void attn_decode(const AttnParams& p) {
 
     const T* row_gl_rd = static_cast<const T*>(p.qkv) + (size_t)s * (nh + 2 * nkv) * hd;
     {
-        const T* q_gl_rd = row_gl_rd + (size_t)kvh * g * hd;
+        const T* q_gl_rd = row_gl_rd + (size_t)blockIdx.y * g * hd;
         for (int idx = threadIdx.x; idx < g * hd; idx += blockDim.x) {
             const int hh = idx / hd, d = idx % hd;
             const float x0 = to_f32(q_gl_rd[hh * hd + jr]), x1 = to_f32(q_gl_rd[hh * hd + jr + half]);
@@ -290,10 +299,12 @@ __device__ void attn_decode(const AttnParams& p) {
                 knew_sh[j + half] = from_f32<T>(k1 * rc + k0 * rs);
                 vnew_sh[j] = v_gl_rd1[j];
                 vnew_sh[j + half] = v_gl_rd1[j + half];
-                k_out[j] = knew_sh[j];
-                k_out[j + half] = knew_sh[j + half];
-                v_out[j] = vnew_sh[j];
-                v_out[j + half] = vnew_sh[j + half];
+                if (writes) {  // the KV head's other blocks use their own copy: no race
+                    k_out[j] = knew_sh[j];
+                    k_out[j + half] = knew_sh[j + half];
+                    v_out[j] = vnew_sh[j];
+                    v_out[j + half] = vnew_sh[j + half];
+                }
             } else {
                 knew_sh[j] = k_out[j];
                 knew_sh[j + half] = k_out[j + half];

@@ -264,6 +264,29 @@ fn tc_long_chunk() -> Option<usize> {
 /// merge, same run).
 const ATTN_CLUSTER: usize = 8;
 
+/// Blocks that share a KV head's `g` query heads in the generic kernel (`hsplit`, a power of
+/// two dividing `g`). Off (1) unless `CANDLE_LOWBIT_ATTN_HSPLIT` asks (read once): `auto`
+/// takes the most that keep the launch's `blocks` (per split) within two per SM, a number
+/// forces it. Built 2026-12-07 for the Llama-2-70B shape (8 query heads per KV head: one
+/// block's serial work, ~21 µs of each layer at ctx 128 on an H100) and not yet run on a GPU:
+/// the default stays off until `tests/cuda_ops.rs` passes with it and the bench measures it.
+fn attn_hsplit(g: usize, blocks: usize, sms: usize) -> usize {
+    static H: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let mode = H.get_or_init(|| std::env::var("CANDLE_LOWBIT_ATTN_HSPLIT").ok());
+    let fits = |h: usize| h.is_power_of_two() && g.is_multiple_of(h);
+    match mode.as_deref() {
+        Some("auto") => {
+            let mut h = 1;
+            while fits(2 * h) && blocks * 2 * h <= 2 * sms {
+                h *= 2;
+            }
+            h
+        }
+        Some(v) => v.parse().ok().filter(|&h| fits(h)).unwrap_or(1),
+        None => 1,
+    }
+}
+
 /// Whether to launch decode attention in thread-block clusters: the device runs them
 /// (compute capability 9.0 or newer) and the environment does not set
 /// `CANDLE_LOWBIT_CLUSTERS=0` (read once; then every merge goes through global memory).
@@ -304,6 +327,7 @@ struct AttnParams {
     chunk: i32,
     cluster: i32,
     rec: i32,
+    hsplit: i32,
     scale: f32,
     pad: f32,
     kv_end: u64,
@@ -386,6 +410,17 @@ pub(super) fn decode_attention(
             } else {
                 0
             };
+        // The generic kernel in clusters (batch 1, a short cache) splits a KV head's query
+        // heads over `hsplit` blocks, so that a group of 8 is not one block's serial work
+        // (the KV head's keys are then read by each: from L2, the cache being short). In
+        // clusters every merge stays in the cluster, so the per-KV-head counters are not
+        // used (they hold b * nkv entries).
+        let hsplit = if tc || cluster == 0 {
+            1
+        } else {
+            attn_hsplit(g, nkv * n_split.next_multiple_of(cluster), sm_count(dev)?)
+        };
+        let g = g / hsplit;
         let smem = if tc {
             // q, then the warps' rings (a stage: K and V records of TC_STEP keys and 16
             // bytes of lead each), reused for the warps' outputs; Oaken's corrections after.
@@ -484,6 +519,7 @@ pub(super) fn decode_attention(
                     chunk: chunk as i32,
                     cluster: cluster as i32,
                     rec: rec as i32,
+                    hsplit: hsplit as i32,
                     scale: 1f32 / (hd as f32).sqrt(),
                     pad: 0.0,
                     kv_end: k_addr + bytes as u64,
@@ -500,7 +536,7 @@ pub(super) fn decode_attention(
                 } else {
                     ATTN_THREADS
                 };
-                let cfg = grid(x, nkv, b, threads, smem as u32);
+                let cfg = grid(x, nkv * hsplit, b, threads, smem as u32);
                 unsafe { launch_params(&func, &stream, cfg, cluster as u32, &params) }
             })
         })?;
