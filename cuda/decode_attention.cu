@@ -212,7 +212,7 @@ __device__ void attn_finish(const AttnParams& p, float* o_sh, float* m_sh, float
 // (g*hd + g*chunk + ATTN_THREADS*EPL*g) floats, g = nh / (nkv * hsplit): with hsplit > 1
 // (batch 1 in clusters, short caches) a KV head's query heads are split over hsplit blocks,
 // each reading the head's keys (from L2) for its own g heads; the first of them appends
-// (off unless CANDLE_LOWBIT_ATTN_HSPLIT asks: not yet run on a GPU, see src/ops/decode_cuda.rs).
+// (CANDLE_LOWBIT_ATTN_HSPLIT forces a number, 1 for off: see src/ops/decode_cuda.rs).
 template <typename T, typename E, bool APPEND>
 __device__ void attn_decode(const AttnParams& p) {
     constexpr int EPL = E::EPL, UNROLL = E::UNROLL;

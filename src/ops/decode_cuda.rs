@@ -265,17 +265,16 @@ fn tc_long_chunk() -> Option<usize> {
 const ATTN_CLUSTER: usize = 8;
 
 /// Blocks that share a KV head's `g` query heads in the generic kernel (`hsplit`, a power of
-/// two dividing `g`). Off (1) unless `CANDLE_LOWBIT_ATTN_HSPLIT` asks (read once): `auto`
-/// takes the most that keep the launch's `blocks` (per split) within two per SM, a number
-/// forces it. Built 2026-12-07 for the Llama-2-70B shape (8 query heads per KV head: one
-/// block's serial work, ~21 µs of each layer at ctx 128 on an H100) and not yet run on a GPU:
-/// the default stays off until `tests/cuda_ops.rs` passes with it and the bench measures it.
+/// two dividing `g`): by default the most that keep the launch's `blocks` (per split) within
+/// two per SM; `CANDLE_LOWBIT_ATTN_HSPLIT` (read once) forces a number (`1`: off). For the
+/// Llama-2-70B shape (8 query heads per KV head, one block's serial work: ~21 µs of each
+/// layer at ctx 128 on an H100).
 fn attn_hsplit(g: usize, blocks: usize, sms: usize) -> usize {
     static H: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let mode = H.get_or_init(|| std::env::var("CANDLE_LOWBIT_ATTN_HSPLIT").ok());
     let fits = |h: usize| h.is_power_of_two() && g.is_multiple_of(h);
     match mode.as_deref() {
-        Some("auto") => {
+        None | Some("auto") => {
             let mut h = 1;
             while fits(2 * h) && blocks * 2 * h <= 2 * sms {
                 h *= 2;
@@ -283,7 +282,6 @@ fn attn_hsplit(g: usize, blocks: usize, sms: usize) -> usize {
             h
         }
         Some(v) => v.parse().ok().filter(|&h| fits(h)).unwrap_or(1),
-        None => 1,
     }
 }
 
