@@ -10,9 +10,6 @@
 //! Each (shape, implementation) holds enough distinct copies of its weight that together
 //! they exceed 256 MiB (L2 is 60 MB) and cycles through them. Each row is checked against
 //! `x_f32 · deq(W)ᵀ` in f32 over the same quantized weight before it is timed.
-//! `us` times calls made back to back from the host (host work included, as stock candle
-//! runs them); `graph_us` the same calls replayed from a CUDA graph (no host work per call,
-//! as the graph decoder runs a model's layers).
 //! Bytes counted: the weight in its format (codes, scales, everything), x as passed, y.
 
 use crate::quant::Prototypes;
@@ -237,10 +234,6 @@ fn run_impl(
             .text("impl", i.name())
             .num("bits/w", bytes_w as f64 * 8.0 / (s.n * s.k) as f64);
         let r = measure(ctx, &weights, x, &reference, i.tolerance());
-        let graph = match &r {
-            Ok((_, Some(_))) => time_graph(ctx, &weights, x)?,
-            _ => None,
-        };
         let row = match r {
             Ok((err, None)) => {
                 out.push(None);
@@ -263,8 +256,6 @@ fn run_impl(
                     .opt("vs_f16", f16.map(|b| b / t))
                     .opt("ceil_us", ceil.map(|c| c * 1e6))
                     .opt("of_ceil", ceil.map(|c| c / t))
-                    .opt("graph_us", graph.map(|g| g * 1e6))
-                    .opt("graph_of_ceil", ceil.zip(graph).map(|(c, g)| c / g))
                     .num("err", err)
                     .num("spread%", timing.spread_pct())
                     .num("MB", bytes as f64 / 1e6)
@@ -332,47 +323,6 @@ fn forward(w: &Weights, j: usize, x: &Tensor) -> candle_core::Result<Tensor> {
         Weights::Ggml(c) => c[j % c.len()].forward(x),
         Weights::Ours(c) => c[j % c.len()].forward(x),
     }
-}
-
-/// Seconds per call with no host work per call: one CUDA graph of a call on every copy in
-/// turn (at least 8 calls; each reads its weight from DRAM, as the model's layers do),
-/// replayed. `None`
-/// on the CPU or where a call cannot be captured (said once per row on stderr).
-fn time_graph(ctx: &Ctx, w: &Weights, x: &Tensor) -> Result<Option<f64>> {
-    #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(cuda) = &ctx.dev {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        let n_copies = match w {
-            Weights::Dense(c) => c.len(),
-            Weights::Ggml(c) => c.len(),
-            Weights::Ours(c) => c.len(),
-        };
-        let stream = cuda.cuda_stream();
-        let _htod = cuda.enable_cuda_graph_htod_cache();
-        ctx.dev.synchronize()?;
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-        let calls = n_copies.max(8);
-        let body = (0..calls).try_for_each(|j| forward(w, j, x).map(|_| ()));
-        let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
-        let graph = stream.end_capture(flags);
-        let graph = match (body, graph) {
-            (Ok(()), Ok(Some(g))) => g,
-            (Err(e), _) => {
-                eprintln!("kernels: no graph timing (capture: {e})");
-                return Ok(None);
-            }
-            (_, g) => {
-                eprintln!("kernels: no graph timing ({:?})", g.err());
-                return Ok(None);
-            }
-        };
-        let t = time_batched(&ctx.dev, ctx.iters, MIN_SAMPLE_S, |_| {
-            graph.launch().map_err(candle_core::Error::wrap)
-        })?;
-        return Ok(Some(t.median / calls as f64));
-    }
-    let _ = (ctx, w, x);
-    Ok(None)
 }
 
 /// Check against the reference (on the last copy, so every copy's upload is exercised
