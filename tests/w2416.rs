@@ -459,6 +459,20 @@ fn random_weights_are_a_valid_layout() -> Result<()> {
     assert_eq!(sorted, (0..k as u32).collect::<Vec<_>>());
     let four = t.flags()?;
     let g = tile_cols(k);
+    // Reordered, as the quantizer places them: every row block's 4-bit tiles lead, the
+    // boundary blurred over fewer than 3 columns.
+    for b in 0..n / TILE_ROWS {
+        let row = &four[b * g..(b + 1) * g];
+        assert_eq!(row.iter().filter(|&&f| f).count(), t.h4);
+        assert!(
+            row[..t.h4.saturating_sub(3)].iter().all(|&f| f),
+            "block {b}: {row:?}"
+        );
+        assert!(
+            row[(t.h4 + 3).min(g)..].iter().all(|&f| !f),
+            "block {b}: {row:?}"
+        );
+    }
     let mut seen = std::collections::HashSet::new();
     for (row, col, d) in t.outliers_ref()? {
         if d.to_f32() == 0.0 {

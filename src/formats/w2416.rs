@@ -1432,8 +1432,9 @@ pub fn random_words(shape: (usize, usize), dev: &Device) -> Result<Tensor> {
 }
 
 /// Random `w2416` weights of `[n, k]` drawn on `dev` (speed rows only): codes and scale
-/// codes uniform, super scales around `1 / (255 √k)`, `cfg`'s 4-bit share (random tiles)
-/// and outliers (random positions in 2-bit tiles, small δ).
+/// codes uniform, super scales around `1 / (255 √k)`, `cfg`'s 4-bit share (with
+/// `cfg.reorder`, in each row block's leading columns as the quantizer puts them; else in
+/// random tiles) and outliers (random positions in 2-bit tiles, small δ).
 pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) -> Result<Tiles> {
     use rand::{Rng, SeedableRng};
     check_tileable(n, k, "w2416 random")?;
@@ -1442,11 +1443,17 @@ pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) ->
     let h4 = cfg.h4(n, k);
     let mut four = vec![false; r * g];
     for b in 0..r {
-        let mut cols: Vec<usize> = (0..g).collect();
-        for i in 0..h4 {
-            let j = rng.gen_range(i..g);
-            cols.swap(i, j);
-            four[b * g + cols[i]] = true;
+        // Reordered, the salient channels come first and the 4-bit tiles with them: a row
+        // block's 4-bit tiles are its leading columns, the boundary blurred over ~3 columns
+        // (as the quantizer places them in real checkpoints: SmolLM2's layers, 2026-12-07);
+        // else anywhere.
+        let blur = if cfg.reorder { 3.0 } else { 1e9 };
+        let mut cols: Vec<(f64, usize)> = (0..g)
+            .map(|j| (j as f64 + blur * rng.gen::<f64>(), j))
+            .collect();
+        cols.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for &(_, j) in &cols[..h4] {
+            four[b * g + j] = true;
         }
     }
     let words = random_words((n, 4 * (g + h4)), dev)?;
