@@ -460,7 +460,7 @@ fn random_weights_are_a_valid_layout() -> Result<()> {
     let four = t.flags()?;
     let g = tile_cols(k);
     // Reordered, as the quantizer places them: every row block's 4-bit tiles lead, the
-    // boundary blurred over fewer than 3 columns.
+    // boundary moved by at most 3 columns.
     for b in 0..n / TILE_ROWS {
         let row = &four[b * g..(b + 1) * g];
         assert_eq!(row.iter().filter(|&&f| f).count(), t.h4);

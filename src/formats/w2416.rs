@@ -1447,9 +1447,11 @@ pub fn random(n: usize, k: usize, cfg: &W2416Config, seed: u64, dev: &Device) ->
         // block's 4-bit tiles are its leading columns, the boundary blurred over ~3 columns
         // (as the quantizer places them in real checkpoints: SmolLM2's layers, 2026-12-07);
         // else anywhere.
-        let blur = if cfg.reorder { 3.0 } else { 1e9 };
         let mut cols: Vec<(f64, usize)> = (0..g)
-            .map(|j| (j as f64 + blur * rng.gen::<f64>(), j))
+            .map(|j| {
+                let u = rng.gen::<f64>();
+                (if cfg.reorder { j as f64 + 3.0 * u } else { u }, j)
+            })
             .collect();
         cols.sort_by(|a, b| a.0.total_cmp(&b.0));
         for &(_, j) in &cols[..h4] {
