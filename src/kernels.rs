@@ -1,8 +1,27 @@
-//! PTX built from `cuda/*.cu` (cuda feature only) and launch helpers shared by the ops.
+//! Kernels built from `cuda/*.cu` (cuda feature only: PTX, and a cubin of each made by
+//! ptxas at build time) and launch helpers shared by the ops.
 
 #[cfg(feature = "cuda")]
 pub mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// One kernel file of `cuda/`: its PTX and the cubin ptxas made of it for the PTX's own
+/// target (sm_90a where `CUDA_COMPUTE_CAP` is 90).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy)]
+pub struct Module {
+    /// The file's stem (`tiles_gemv` for `cuda/tiles_gemv.cu`).
+    pub name: &'static str,
+    pub ptx: &'static str,
+    pub cubin: &'static [u8],
+}
+
+/// Every kernel file as a [`Module`], named as in [`ptx`] (`modules::TILES_GEMV`).
+#[cfg(feature = "cuda")]
+pub mod modules {
+    use super::Module;
+    include!(concat!(env!("OUT_DIR"), "/modules.rs"));
 }
 
 #[cfg(feature = "cuda")]
@@ -87,6 +106,51 @@ mod cuda {
             Some((start, end)) => Ok(slice.slice(start..end)),
             None => candle_core::bail!("{what} must be contiguous, got layout {layout:?}"),
         }
+    }
+
+    /// Kernel `name` of `module` on `dev`'s context. The module is loaded once per context
+    /// (later calls find it in a cache): from its cubin, so that no run waits on the driver
+    /// compiling PTX, or from its PTX where the driver refuses the cubin (another GPU
+    /// architecture, an older driver), which it then compiles as before.
+    pub fn func(
+        dev: &candle_core::CudaDevice,
+        name: &str,
+        module: &super::Module,
+    ) -> Result<CudaFunction> {
+        use candle_core::cuda_backend::cudarc::driver::CudaModule;
+        use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+        use std::sync::{Arc, Mutex};
+        type Loaded = Vec<(usize, &'static str, Arc<CudaModule>)>;
+        static LOADED: Mutex<Loaded> = Mutex::new(Vec::new());
+        let ctx = dev.cuda_stream().context().clone();
+        let key = ctx.cu_ctx() as usize;
+        let m = {
+            let mut loaded = LOADED
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("kernel module cache poisoned".into()))?;
+            match loaded
+                .iter()
+                .find(|(c, n, _)| *c == key && *n == module.name)
+            {
+                Some((_, _, m)) => m.clone(),
+                None => {
+                    let m = ctx
+                        .load_module(Ptx::from_binary(module.cubin.to_vec()))
+                        .or_else(|_| ctx.load_module(Ptx::from_src(module.ptx)))
+                        .map_err(|e| {
+                            candle_core::Error::Msg(format!(
+                                "cannot load the kernels of cuda/{}.cu: {e}",
+                                module.name
+                            ))
+                        })?;
+                    loaded.push((key, module.name, m.clone()));
+                    m
+                }
+            }
+        };
+        m.load_function(name).map_err(|e| {
+            candle_core::Error::Msg(format!("no kernel {name} in cuda/{}.cu: {e}", module.name))
+        })
     }
 
     /// The kernel-name suffix of a float dtype (`f32`, `f16`, `bf16`).

@@ -3,8 +3,8 @@
 
 use super::{Heads, StepPositions};
 use crate::kernels::{
-    contiguous_view, dptr, dtype_suffix as suffix, launch_params, launch_pdl, ptx, raw_ptr,
-    sm_count, with_positions, with_view, Arg,
+    contiguous_view, dptr, dtype_suffix as suffix, launch_params, launch_pdl, raw_ptr, sm_count,
+    with_positions, with_view, Arg,
 };
 use crate::kv::oaken::KvThr;
 use crate::kv::KvCodec;
@@ -60,7 +60,7 @@ pub(super) fn embed_gather(
         let ids = contiguous_view::<u32>(s2, l2, "ids")?;
         let out = unsafe { dev.alloc::<T>(n * h)? };
         let name = format!("embed_gather_{}", suffix(T::DTYPE)?);
-        let func = dev.get_or_load_custom_func(&name, "decode", ptx::DECODE)?;
+        let func = crate::kernels::func(dev, &name, &crate::kernels::modules::DECODE)?;
         if n > 0 {
             let ((tp, _g1), (ip, _g2), (op, _g3)) = (
                 dptr(&table, &stream),
@@ -103,10 +103,10 @@ pub(super) fn silu_mul(
         let stream = dev.cuda_stream();
         let gu = contiguous_view::<T>(s, l, "gu")?;
         let out = unsafe { dev.alloc::<T>(rows * inter)? };
-        let func = dev.get_or_load_custom_func(
+        let func = crate::kernels::func(
+            dev,
             &format!("silu_mul_{}", suffix(T::DTYPE)?),
-            "decode",
-            ptx::DECODE,
+            &crate::kernels::modules::DECODE,
         )?;
         let n = rows * inter;
         if n > 0 {
@@ -151,10 +151,10 @@ pub(super) fn rope_kv_append(
         let dims = l1.shape().dims().to_vec();
         let (b, max_len, seq) = (dims[1], dims[3], l2.shape().dims()[1]);
         let qkv = contiguous_view::<T>(s2, l2, "qkv")?;
-        let func = dev.get_or_load_custom_func(
+        let func = crate::kernels::func(
+            &dev,
             &format!("rope_kv_{}", suffix(T::DTYPE)?),
-            "decode",
-            ptx::DECODE,
+            &crate::kernels::modules::DECODE,
         )?;
         let stream = dev.cuda_stream();
         let cache = s1.as_cuda_slice_mut::<T>()?;
@@ -481,7 +481,7 @@ pub(super) fn decode_attention(
             if tc { format!("_h{hd}") } else { String::new() },
             if append { "_append" } else { "" },
         );
-        let func = dev.get_or_load_custom_func(&name, "decode_attention", ptx::DECODE_ATTENTION)?;
+        let func = crate::kernels::func(dev, &name, &crate::kernels::modules::DECODE_ATTENTION)?;
         if smem > 48 * 1024 {
             func.set_attribute(
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -551,7 +551,7 @@ pub(super) fn decode_attention(
 pub(super) fn advance_pos(s: &mut CudaStorage, l: &Layout, by: u32) -> Result<()> {
     let dev = s.device().clone();
     let stream = dev.cuda_stream();
-    let func = dev.get_or_load_custom_func("advance_pos", "decode", ptx::DECODE)?;
+    let func = crate::kernels::func(&dev, "advance_pos", &crate::kernels::modules::DECODE)?;
     let slice = s.as_cuda_slice_mut::<u32>()?;
     let view = slice.slice_mut(l.start_offset()..l.start_offset() + 1);
     let (vp, _g) = dptr(&view, &stream);

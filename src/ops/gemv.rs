@@ -220,7 +220,7 @@ impl CustomOp2 for Gemv {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
+        use crate::kernels::{contiguous_view, dptr, launch_pdl, Arg};
         use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
         use candle_core::cuda_backend::{CudaDType, CudaStorage};
         use half::{bf16, f16};
@@ -256,7 +256,7 @@ impl CustomOp2 for Gemv {
             let x = contiguous_view::<T>(s1, l1, "x")?;
             let w = contiguous_view::<T>(s2, l2, "w")?;
             let y = unsafe { dev.alloc::<O>(m * n)? };
-            let func = dev.get_or_load_custom_func(name, "gemv", ptx::GEMV)?;
+            let func = crate::kernels::func(dev, name, &crate::kernels::modules::GEMV)?;
             if n > 0 {
                 let cfg = LaunchConfig {
                     grid_dim: ((n * wpr).div_ceil(warps) as u32, 1, 1),

@@ -2,7 +2,7 @@
 
 use super::{Heads, StepPositions};
 use crate::kernels::{
-    contiguous_view, dtype_suffix as suffix, launch_params, ptx, raw_ptr, with_positions,
+    contiguous_view, dtype_suffix as suffix, launch_params, raw_ptr, with_positions,
 };
 use crate::kv::oaken::KvThr;
 use crate::kv::KvCodec;
@@ -75,7 +75,7 @@ pub(super) fn kv_append(
         let seq = l2.shape().dims()[1];
         let qkv = contiguous_view::<T>(s2, l2, "qkv")?;
         let name = format!("kv_append_{}_{}", suffix(T::DTYPE)?, codec.name());
-        let func = dev.get_or_load_custom_func(&name, "kv_quant", ptx::KV_QUANT)?;
+        let func = crate::kernels::func(&dev, &name, &crate::kernels::modules::KV_QUANT)?;
         let stream = dev.cuda_stream();
         let cache = s1.as_cuda_slice_mut::<u8>()?;
         let half = cache.len() / 2;
@@ -146,7 +146,7 @@ pub(super) fn kv_dequantize(
         let out = unsafe { dev.alloc::<T>(n)? };
         if n > 0 {
             let name = format!("kv_dequantize_{}_{}", suffix(T::DTYPE)?, codec.name());
-            let func = dev.get_or_load_custom_func(&name, "kv_quant", ptx::KV_QUANT)?;
+            let func = crate::kernels::func(&dev, &name, &crate::kernels::modules::KV_QUANT)?;
             let stream = dev.cuda_stream();
             let ((cp, _g1), (op, _g2)) = (raw_ptr(&cache, &stream), raw_ptr(&out, &stream));
             let params = DequantParams {

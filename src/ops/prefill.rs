@@ -218,7 +218,7 @@ impl CustomOp3 for PrefillAttention {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Heads, StepPositions};
-    use crate::kernels::{dtype_suffix, launch_params, ptx, raw_ptr, with_positions};
+    use crate::kernels::{dtype_suffix, launch_params, raw_ptr, with_positions};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
@@ -304,8 +304,7 @@ mod cuda {
         let (k_s, v_s) = (ks.slice(l2.start_offset()..), vs.slice(l3.start_offset()..));
         let out = unsafe { dev.alloc::<T>(b * seq * nh * hd)? };
         let name = format!("attn_prefill_{}_h{hd}", dtype_suffix(T::DTYPE)?);
-        let func =
-            dev.get_or_load_custom_func(&name, "prefill_attention", ptx::PREFILL_ATTENTION)?;
+        let func = crate::kernels::func(dev, &name, &crate::kernels::modules::PREFILL_ATTENTION)?;
         let smem = (PF_BM + 4 * PF_BN) * (hd + 8) * T::DTYPE.size_in_bytes();
         if smem > 48 * 1024 {
             func.set_attribute(

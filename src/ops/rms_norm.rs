@@ -151,7 +151,7 @@ impl CustomOp3 for AddRmsNorm {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
+        use crate::kernels::{contiguous_view, dptr, launch_pdl, Arg};
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
         use candle_core::cuda_backend::{CudaDType, CudaStorage};
         use half::{bf16, f16};
@@ -176,7 +176,7 @@ impl CustomOp3 for AddRmsNorm {
             let res = contiguous_view::<T>(s2, l2, "res")?;
             let w = contiguous_view::<T>(s3, l3, "w")?;
             let out = unsafe { dev.alloc::<T>(2 * rows * h)? };
-            let func = dev.get_or_load_custom_func(name, "rms_norm", ptx::RMS_NORM)?;
+            let func = crate::kernels::func(dev, name, &crate::kernels::modules::RMS_NORM)?;
             let cfg = LaunchConfig {
                 grid_dim: (rows as u32, 1, 1),
                 block_dim: (256, 1, 1),

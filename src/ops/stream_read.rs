@@ -119,7 +119,7 @@ impl CustomOp1 for StreamRead {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::kernels::{contiguous_view, launch_err, ptx};
+        use crate::kernels::{contiguous_view, launch_err};
         use candle_core::cuda_backend::cudarc::driver::{
             DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
         };
@@ -144,15 +144,18 @@ impl CustomOp1 for StreamRead {
                 candle_core::bail!("stream_read: input data at {addr:#x} is not 16-byte aligned")
             }
             let out = unsafe { dev.alloc::<u32>(blocks)? };
-            let func =
-                dev.get_or_load_custom_func("stream_read_xor", "stream_read", ptx::STREAM_READ)?;
+            let func = crate::kernels::func(
+                dev,
+                "stream_read_xor",
+                &crate::kernels::modules::STREAM_READ,
+            )?;
             let cfg = LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (STREAM_READ_THREADS as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             let n16 = (n_bytes / 16) as u64;
-            let mut b = func.builder();
+            let mut b = stream.launch_builder(&func);
             b.arg(&src).arg(&out).arg(&n16);
             unsafe { b.launch(cfg) }.map_err(launch_err)?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

@@ -471,7 +471,7 @@ pub(super) mod cuda {
     use super::{Epi, Tiles};
     use crate::formats::w2416::TileScales;
     use crate::kernels::{
-        contiguous_view, dptr, launch_pdl, launch_pdl_cluster, ptx, sm_count, with_view, Arg,
+        contiguous_view, dptr, launch_pdl, launch_pdl_cluster, sm_count, with_view, Arg,
     };
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
@@ -575,7 +575,7 @@ pub(super) mod cuda {
         let dev = s.device().clone();
         let stream = dev.cuda_stream();
         let x = contiguous_view::<f16>(s, l, "x")?;
-        let func = dev.get_or_load_custom_func("tiles_gather", "tiles", ptx::TILES)?;
+        let func = crate::kernels::func(&dev, "tiles_gather", &crate::kernels::modules::TILES)?;
         let y = unsafe { dev.alloc::<f16>(m * k)? };
         let cfg = LaunchConfig {
             grid_dim: ((m * k / 2).div_ceil(256) as u32, 1, 1),
@@ -650,7 +650,7 @@ pub(super) mod cuda {
                 "tiles_xt: {mt} token slots for {m} tokens (want a multiple of 8, >= m)"
             )
         }
-        let func = dev.get_or_load_custom_func("tiles_xt", "tiles", ptx::TILES)?;
+        let func = crate::kernels::func(dev, "tiles_xt", &crate::kernels::modules::TILES)?;
         let xt = unsafe { dev.alloc::<f16>(k * mt)? };
         let cfg = LaunchConfig {
             grid_dim: ((k * mt / 8).div_ceil(256) as u32, 1, 1),
@@ -683,7 +683,7 @@ pub(super) mod cuda {
             variant(two, epi),
             if m <= 8 { 8 } else { 16 }
         );
-        let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
+        let func = crate::kernels::func(&dev, &name, &crate::kernels::modules::TILES)?;
         // Dynamic shared memory: the two row blocks' tile descriptors, u32 [2][g].
         let smem = 2 * g * 4;
         let per_sm = occupancy(&name, &func, smem)?;
@@ -818,7 +818,7 @@ pub(super) mod cuda {
         let (two, _, _, _, group) = scale_tensors(t);
         let bn = super::gemm_tokens(r, m, sm_count(&dev)?);
         let name = format!("tiles_gemm_{}_bn{bn}", if two { "two" } else { "plain" });
-        let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
+        let func = crate::kernels::func(&dev, &name, &crate::kernels::modules::TILES)?;
         let smem = gemm_smem(bn, g);
         func.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -873,7 +873,11 @@ pub(super) mod cuda {
                 unsafe { launch_pdl(&func, &stream, cfg, &args) }
             })?;
             if let Some(xt) = &xt {
-                let add = dev.get_or_load_custom_func("tiles_outliers_add", "tiles", ptx::TILES)?;
+                let add = crate::kernels::func(
+                    &dev,
+                    "tiles_outliers_add",
+                    &crate::kernels::modules::TILES,
+                )?;
                 // TILES_ADD_SPLITS (8) warps per row block and 8 tokens.
                 let cfg = LaunchConfig {
                     grid_dim: (r as u32, (mt / 8) as u32, 1),
@@ -909,7 +913,7 @@ pub(super) mod cuda {
                 "tiles_dequantize_{}_{suf}",
                 if two { "two" } else { "plain" }
             );
-            let func = dev.get_or_load_custom_func(&name, "tiles", ptx::TILES)?;
+            let func = crate::kernels::func(&dev, &name, &crate::kernels::modules::TILES)?;
             let cfg = LaunchConfig {
                 grid_dim: (tiles.div_ceil(THREADS as usize / 32) as u32, 1, 1),
                 block_dim: (THREADS, 1, 1),
@@ -925,10 +929,10 @@ pub(super) mod cuda {
                     unsafe { launch_pdl(&func, &stream, cfg, &args) }
                 })?;
                 if let Some(o) = &t.outliers {
-                    let f2 = dev.get_or_load_custom_func(
+                    let f2 = crate::kernels::func(
+                        &dev,
                         &format!("tiles_add_outliers_{suf}"),
-                        "tiles",
-                        ptx::TILES,
+                        &crate::kernels::modules::TILES,
                     )?;
                     let cfg2 = LaunchConfig {
                         grid_dim: (n.div_ceil(THREADS as usize / 32) as u32, 1, 1),

@@ -158,7 +158,7 @@ pub(super) use cuda::gemv;
 mod cuda {
     use super::{gemv_plan, GEMV_FORCE, GV_CH, GV_THREADS};
     use crate::formats::w2416::Tiles;
-    use crate::kernels::{contiguous_view, dptr, ptx, sm_count, Arg};
+    use crate::kernels::{contiguous_view, dptr, sm_count, Arg};
     use crate::ops::tiles::cuda::{
         gathered, launch_clustered, matmul, out_and_pairs, scale_tensors, variant, with_opt,
         with_output, with_weights,
@@ -204,7 +204,7 @@ mod cuda {
         let (two, _, _, _, group) = scale_tensors(t);
         let (out_cols, pairs) = out_and_pairs(t, epi);
         let name = format!("tiles_gemv_{}", variant(two, epi));
-        let func = dev.get_or_load_custom_func(&name, "tiles_gemv", ptx::TILES_GEMV)?;
+        let func = crate::kernels::func(&dev, &name, &crate::kernels::modules::TILES_GEMV)?;
         let e = t.outliers.as_ref().map_or(0, |o| o.per_block);
         static KS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
         let test = GEMV_FORCE.with(|c| c.get()).filter(|&(ks, _)| ks > 0);

@@ -90,7 +90,7 @@ impl CustomOp1 for UniformPack {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
+        use crate::kernels::{contiguous_view, dptr, launch_pdl, Arg};
         use candle_core::backend::BackendStorage;
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
         let (n, k) = l.shape().dims2()?;
@@ -100,7 +100,8 @@ impl CustomOp1 for UniformPack {
         let codes = contiguous_view::<u8>(s, l, "codes")?;
         let out = unsafe { dev.alloc::<u32>(n * words)? };
         if n * words > 0 {
-            let func = dev.get_or_load_custom_func("uniform_pack", "uniform", ptx::UNIFORM)?;
+            let func =
+                crate::kernels::func(dev, "uniform_pack", &crate::kernels::modules::UNIFORM)?;
             let cfg = LaunchConfig::for_num_elems((n * words) as u32);
             let ((cp, _g1), (op, _g2)) = (dptr(&codes, &stream), dptr(&out, &stream));
             let ints = [n, k, self.bits as usize, words].map(|v| Arg::I32(v as i32));
@@ -168,7 +169,7 @@ impl CustomOp3 for UniformDequantize {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::kernels::{contiguous_view, dptr, launch_pdl, ptx, Arg};
+        use crate::kernels::{contiguous_view, dptr, launch_pdl, Arg};
         use candle_core::backend::BackendStorage;
         use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
         use candle_core::cuda_backend::{CudaDType, CudaStorage};
@@ -193,7 +194,7 @@ impl CustomOp3 for UniformDequantize {
             let z = contiguous_view::<f16>(s3, l3, "zeros")?;
             let out = unsafe { dev.alloc::<T>(n * k)? };
             if n * k > 0 {
-                let func = dev.get_or_load_custom_func(name, "uniform", ptx::UNIFORM)?;
+                let func = crate::kernels::func(dev, name, &crate::kernels::modules::UNIFORM)?;
                 let cfg = LaunchConfig::for_num_elems((n * k) as u32);
                 let ((qp, _g1), (sp, _g2)) = (dptr(&q, &stream), dptr(&s, &stream));
                 let ((zp, _g3), (op, _g4)) = (dptr(&z, &stream), dptr(&out, &stream));

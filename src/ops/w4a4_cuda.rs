@@ -3,7 +3,7 @@
 use super::w4a4::{tma_tiles, wgmma_tiles, Matmul, Quantize, W4a4Kernel, H200_SMS};
 use crate::formats::w4a4::blocks as nb;
 use crate::formats::LinearWeights;
-use crate::kernels::{contiguous_view, dtype_suffix, launch_params, ptx, raw_ptr, with_view};
+use crate::kernels::{contiguous_view, dtype_suffix, launch_params, raw_ptr, with_view};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute_enum};
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
@@ -187,7 +187,7 @@ pub(super) fn quantize(
     let out = alloc_bytes(&dev, dt, len)?;
     let out_layout = Layout::contiguous(len);
     let name = format!("w4a4_quant_{}", dtype_suffix(dt)?);
-    let func = dev.get_or_load_custom_func(&name, "w4a4", ptx::W4A4)?;
+    let func = crate::kernels::func(&dev, &name, &crate::kernels::modules::W4A4)?;
     let launch = |perm: u64| -> Result<()> {
         with_bytes(s1, l1, |x| {
             with_bytes(s2, l2, |res| {
@@ -315,7 +315,7 @@ pub(super) fn matmul(op: &Matmul, s: &CudaStorage, l: &Layout) -> Result<(CudaSt
     } else {
         None
     };
-    let func = dev.get_or_load_custom_func(&name, "w4a4", ptx::W4A4)?;
+    let func = crate::kernels::func(&dev, &name, &crate::kernels::modules::W4A4)?;
     if cfg.shared_mem_bytes > 48 * 1024 {
         func.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
