@@ -136,7 +136,14 @@ mod cuda {
                 None => {
                     let m = ctx
                         .load_module(Ptx::from_binary(module.cubin.to_vec()))
-                        .or_else(|_| ctx.load_module(Ptx::from_src(module.ptx)))
+                        .or_else(|e| {
+                            eprintln!(
+                                "note: cuda/{}.cu: the driver refused its cubin ({e}); \
+                                 compiling its PTX instead",
+                                module.name
+                            );
+                            ctx.load_module(Ptx::from_src(module.ptx))
+                        })
                         .map_err(|e| {
                             candle_core::Error::Msg(format!(
                                 "cannot load the kernels of cuda/{}.cu: {e}",
